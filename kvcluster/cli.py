@@ -1,0 +1,150 @@
+"""`kvcluster` command line: size, capacity and replay reports.
+
+User mistakes (bad names, malformed files, bad numbers) print one line and
+exit 2; nothing a user types produces a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+from .dtypes import DTYPE_CHOICES
+from .errors import KvclusterError
+
+GIB = 1 << 30
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error on one line, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, row)) for row in rows]
+    return "\n".join(lines)
+
+
+def _cmd_size(args: argparse.Namespace) -> int:
+    from .model_spec import load_model_spec
+    from .sizing import size_model
+
+    spec = load_model_spec(args.model)
+    report = size_model(spec, dtype=args.dtype, context=args.context, weights_dtype=args.weights_dtype)
+    hbm = int(args.hbm_gib * GIB) if args.hbm_gib is not None else None
+    data = report.to_dict(hbm)
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(f"{report.model} ({report.variant}), KV dtype {report.dtype}, context {report.context:,} tokens")
+    rows = [
+        [l.index, l.kind, l.kv_heads, l.head_dim, l.bytes_per_token, l.tokens_kept, l.fixed_bytes,
+         _human_bytes(l.bytes_at_context), l.naive_bytes_per_token]
+        for l in report.layers
+    ]
+    print(_table(rows, ["layer", "kind", "kv_heads", "dim", "B/token", "kept", "state B", "at context", "naive B/tok"]))
+    print(f"bytes per token:        {report.bytes_per_token:,}  (naive {report.naive_bytes_per_token:,})")
+    print(f"bytes per sequence:     {_human_bytes(report.bytes_per_sequence)}  (naive {_human_bytes(report.naive_bytes_per_sequence)})")
+    print(f"overprovision ratio:    {report.overprovision_ratio:.2f}x")
+    print(f"parameters:             {report.num_parameters / 1e9:.3f} B  ({_human_bytes(report.weight_bytes)} of weights)")
+    if hbm is not None:
+        h = data["hbm"]
+        print(f"HBM {args.hbm_gib:g} GiB: {h['max_sequences']:,} sequences exact vs {h['naive_max_sequences']:,} naive"
+              f"  (batch gain {h['batch_gain']}x)")
+    return 0
+
+
+def _cmd_capacity(args: argparse.Namespace) -> int:
+    from .capacity import node_capacity
+    from .model_spec import load_model_spec
+    from .sizing import size_model
+    from .tiers import load_node_tiers
+
+    node = load_node_tiers(args.tiers)
+    report = size_model(load_model_spec(args.model), dtype=args.dtype, context=args.context)
+    cap = node_capacity(report, node)
+    if args.json:
+        print(json.dumps(cap.to_dict()))
+        return 0
+    print(f"{cap.model} on {cap.node}: {cap.bytes_per_token:,} B/token ({cap.dtype}), sequences of {cap.context:,} tokens")
+    if not cap.weights_fit_in_hbm:
+        print("warning: the weights do not fit in HBM; the hbm tier holds no KV")
+    rows = [[t.name, t.medium[:48], _human_bytes(t.bytes), f"{t.tokens:,}", f"{t.sequences:,}"] for t in cap.tiers]
+    print(_table(rows, ["tier", "medium", "KV bytes", "tokens", "sequences"]))
+    print(f"total: {_human_bytes(cap.total_bytes)}, {cap.total_tokens:,} tokens")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvcluster", description="Cluster-scale KV-cache manager for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    size = sub.add_parser("size", help="exact KV bytes per token and per sequence for a model")
+    size.add_argument("model", help="a name under configs/models, or a path to a HF config.json / checkpoint dir")
+    size.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
+    size.add_argument("--weights-dtype", choices=DTYPE_CHOICES, help="weight dtype (default: as published)")
+    size.add_argument("--context", type=_positive_int, help="tokens per sequence (default: min(max positions, 32768))")
+    size.add_argument("--hbm-gib", type=_non_negative_float, help="HBM for weights + KV; reports max sequences")
+    size.add_argument("--json", action="store_true", help="print one JSON object")
+    size.set_defaults(func=_cmd_size)
+
+    capacity = sub.add_parser("capacity", help="KV bytes and tokens a node's six tiers hold for a model")
+    capacity.add_argument("model", help="a name under configs/models, or a config path")
+    capacity.add_argument("--tiers", required=True, help="a tiers YAML (path, or a name under configs/tiers)")
+    capacity.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
+    capacity.add_argument("--context", type=_positive_int, help="tokens per sequence for the sequences column")
+    capacity.add_argument("--json", action="store_true", help="print one JSON object")
+    capacity.set_defaults(func=_cmd_capacity)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Later modules (replay, serve, cluster) add their subcommands here.
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KvclusterError as exc:
+        print(f"kvcluster {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
