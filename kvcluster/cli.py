@@ -104,6 +104,78 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _progress_factory(enabled: bool, total: int):
+    """A tqdm bar per replay on stderr when it is a terminal; nothing otherwise."""
+    if not enabled:
+        return lambda label: None
+    from tqdm import tqdm
+
+    def factory(label: str):
+        bar = tqdm(total=total, desc=label, unit="req", leave=False, file=sys.stderr, mininterval=0.5)
+        return bar.update
+
+    return factory
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import ReplayOptions, run_replay
+    from .simulator import prepare
+    from .traces import load_trace
+
+    policies = args.policies or ((args.policy,) if args.policy else ("lru", "bayes", "belady"))
+    options = ReplayOptions(
+        policies=tuple(policies),
+        capacity_blocks=args.capacity_blocks or (),
+        capacity_frac=args.capacity_frac or (),
+        tiers=args.tiers,
+        model=args.model,
+        node=args.node,
+        prefetch_lead_s=args.prefetch_lead_s,
+    )
+    options.validate()
+    trace = load_trace(args.trace, format=args.format, block_size=args.block_size, strict=args.strict)
+    for line in trace.skipped[:5]:
+        print(f"skipped {line}", file=sys.stderr)
+    if len(trace.skipped) > 5:
+        print(f"skipped {len(trace.skipped) - 5} more malformed records", file=sys.stderr)
+    prepared = prepare(trace)
+    progress = _progress_factory(sys.stderr.isatty() and not args.no_progress, prepared.requests)
+    report = run_replay(options, prepared, progress)
+    report["format"] = trace.format
+    report["skipped_records"] = len(trace.skipped)
+    if args.plot:
+        from .plots import plot_hit_rates
+
+        plot_hit_rates(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['trace']} ({trace.format}): {report['requests']:,} requests, {report['block_refs']:,} block refs, "
+          f"{report['unique_blocks']:,} unique blocks of {report['block_size']} tokens; "
+          f"infinite-cache hit rate {report['infinite_hit_rate']:.4f}")
+    rows = [[r["policy"], f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
+             " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
+             f"{r['projected_ttft_s']['mean'] * 1e3:.1f}", f"{r['refs_per_s']:,}"] for r in report["results"]]
+    for ref in report.get("reference_deployments", []):
+        rows.append([ref["deployment"], f"{ref['capacity_blocks']:,}", f"{ref['hit_rate']:.4f}",
+                     " ".join(f"{k}={v:.3f}" for k, v in ref["per_tier"].items()),
+                     f"{ref['projected_ttft_s']['mean'] * 1e3:.1f}", f"{ref['refs_per_s']:,}"])
+    print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcluster", description="Cluster-scale KV-cache manager for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -124,6 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--context", type=_positive_int, help="tokens per sequence for the sequences column")
     capacity.add_argument("--json", action="store_true", help="print one JSON object")
     capacity.set_defaults(func=_cmd_capacity)
+
+    rp = sub.add_parser("replay", help="replay a trace through the policy engine and project TTFT")
+    rp.add_argument("trace", help="a trace file or directory (Mooncake, Bailian, Claude Code, ShareGPT, LMSYS, SWE-agent, Azure)")
+    rp.add_argument("--format", default="auto", help="auto|mooncake|bailian|claude-code|sharegpt|lmsys|swe-agent|azure")
+    group = rp.add_mutually_exclusive_group()
+    group.add_argument("--policy", help="one eviction policy")
+    group.add_argument("--policies", type=_csv(str), help="comma-separated policies (default lru,bayes,belady)")
+    rp.add_argument("--capacity-blocks", type=_csv(int), help="capacity in blocks (comma list for several runs)")
+    rp.add_argument("--capacity-frac", type=_csv(float), help="capacity as a fraction of unique blocks (comma list)")
+    rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus vLLM/LMCache-style references")
+    rp.add_argument("--block-size", type=_positive_int, help="tokens per block for text traces (hash traces fix their own)")
+    rp.add_argument("--model", default="llama-3.1-8b", help="model for block bytes and prefill FLOPs (default llama-3.1-8b)")
+    rp.add_argument("--node", default="h100-node", help="tiers YAML for the cost model when capacity is in blocks")
+    rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0,
+                    help="prefetch blocks of requests arriving within this many seconds (multi-tier only)")
+    rp.add_argument("--strict", action="store_true", help="fail on the first malformed trace record")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
+    rp.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity as a PNG")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.set_defaults(func=_cmd_replay)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -1,0 +1,126 @@
+"""N capacity-bounded tiers, fastest first, sharing one exclusive residency.
+
+A block lives in at most one tier. Serving a request finds its prefix run across
+all tiers, promotes every block of the request into tier 0, and lets each tier's
+victims fall to the tier below (its policy decides whether they stay there);
+what falls out of the last tier is gone. Pure logic: the live system binds each
+tier to a storage backend and moves the bytes this class decides to move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .policies.base import EvictionPolicy, RequestContext
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """What serving one request did, for stats and for the byte mover."""
+
+    hit_tier: tuple[int, ...]  # tier index of each block of the prefix run
+    promoted: tuple[tuple[int, int], ...]  # (block, from tier) moved up into tier 0
+    demoted: tuple[tuple[int, int, int], ...]  # (block, from tier, to tier)
+    dropped: tuple[int, ...]  # fell out of the last tier
+
+    @property
+    def prefix_hits(self) -> int:
+        return len(self.hit_tier)
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    promotions_out: int = 0
+    demotions_in: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class Hierarchy:
+    """Tiers in order; `names[i]` labels `policies[i]`."""
+
+    names: list[str]
+    policies: list[EvictionPolicy]
+    counters: list[TierCounters] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.policies) or not self.policies:
+            raise ValueError("a hierarchy needs one name per tier and at least one tier")
+        self.counters = [TierCounters() for _ in self.policies]
+
+    def locate(self, block: int) -> int | None:
+        """Index of the tier holding `block`, or None."""
+        for i, policy in enumerate(self.policies):
+            if block in policy:
+                return i
+        return None
+
+    def prefix_tiers(self, blocks: Sequence[int]) -> list[int]:
+        """Tier of each block in the leading run that is resident somewhere."""
+        if len(self.policies) == 1:
+            return [0] * self.policies[0].prefix_hits(blocks)
+        out = []
+        for block in blocks:
+            tier = self.locate(block)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def serve(self, blocks: Sequence[int], ctx: RequestContext) -> ServeResult:
+        """Count the prefix hit, then make every block of the request resident in tier 0."""
+        hit_tier = self.prefix_tiers(blocks)
+        for tier in hit_tier:
+            self.counters[tier].hits += 1
+        promoted = self._pull_up(blocks)
+        evicted = self.policies[0].access(blocks, ctx)
+        demoted, dropped = self._cascade(evicted, 0, ctx)
+        return ServeResult(tuple(hit_tier), tuple(promoted), tuple(demoted), tuple(dropped))
+
+    def promote(self, blocks: Sequence[int], ctx: RequestContext) -> tuple[list, list, list]:
+        """Prefetch: move `blocks` held in lower tiers into tier 0 without counting a use."""
+        promoted = self._pull_up(blocks)
+        moved = [b for b, _ in promoted]
+        evicted = self.policies[0].admit(moved, ctx) if moved else []
+        demoted, dropped = self._cascade(evicted, 0, ctx)
+        return promoted, demoted, dropped
+
+    def _pull_up(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        promoted = []
+        for tier in range(1, len(self.policies)):
+            policy = self.policies[tier]
+            found = [b for b in blocks if b in policy]
+            if found:
+                policy.discard(found)
+                self.counters[tier].promotions_out += len(found)
+                promoted.extend((b, tier) for b in found)
+        return promoted
+
+    def _cascade(self, evicted: list[int], tier: int, ctx: RequestContext):
+        demoted: list[tuple[int, int, int]] = []
+        while evicted:
+            self.counters[tier].evictions += len(evicted)
+            below = tier + 1
+            if below == len(self.policies):
+                return demoted, evicted
+            lower = self.policies[below]
+            next_evicted = lower.admit(evicted, ctx)
+            demoted.extend((b, tier, below) for b in evicted if b in lower)
+            self.counters[below].demotions_in += len(evicted)
+            evicted, tier = next_evicted, below
+        return demoted, []
+
+    def __contains__(self, block: int) -> bool:
+        return self.locate(block) is not None
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.policies)
+
+    def check_integrity(self) -> None:
+        """Each tier is consistent, within capacity, and no block sits in two tiers."""
+        for policy in self.policies:
+            policy.check_integrity()
+        union = set().union(*(p.resident() for p in self.policies))
+        assert len(union) == len(self), "a block is resident in two tiers"

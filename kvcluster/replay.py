@@ -1,0 +1,108 @@
+"""`kvcluster replay`: turn CLI choices into tier plans, run each policy, report.
+
+Capacity comes one of three ways: blocks, a fraction of the trace's unique
+blocks, or a node's tiers file (each tier's KV bytes / block bytes for --model).
+With a tiers file the report also runs the two reference deployments the cost
+model compares against: HBM-only LRU (vLLM-style prefix caching) and HBM+DRAM
+LRU (LMCache-style offload).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .capacity import node_capacity
+from .cost_model import CostModel, make_cost_model
+from .errors import ConfigError
+from .model_spec import load_model_spec
+from .policies.registry import policy_names
+from .simulator import PreparedTrace, ReplayResult, TierPlan, replay
+from .sizing import size_model
+from .tiers import load_node_tiers
+
+REFERENCE_DEPLOYMENTS = (("vllm-prefix-lru", ("hbm",)), ("lmcache-lru", ("hbm", "dram")))
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    policies: tuple[str, ...]
+    capacity_blocks: tuple[int, ...] = ()
+    capacity_frac: tuple[float, ...] = ()
+    tiers: str | None = None
+    model: str = "llama-3.1-8b"
+    node: str = "h100-node"
+    prefetch_lead_s: float = 0.0
+
+    def validate(self) -> None:
+        known = policy_names()
+        for name in self.policies:
+            if name not in known:
+                raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(known)}")
+        chosen = sum(bool(x) for x in (self.capacity_blocks, self.capacity_frac, self.tiers))
+        if chosen != 1:
+            raise ConfigError("give exactly one of --capacity-blocks, --capacity-frac, --tiers")
+        if any(f <= 0 or f > 1 for f in self.capacity_frac):
+            raise ConfigError("--capacity-frac values must be in (0, 1]")
+        if any(n < 0 for n in self.capacity_blocks):
+            raise ConfigError("--capacity-blocks values must be >= 0")
+
+
+def plans(options: ReplayOptions, trace: PreparedTrace, block_bytes: int) -> list[list[TierPlan]]:
+    """One tier plan per capacity point."""
+    if options.tiers:
+        node = load_node_tiers(options.tiers)
+        report = size_model(load_model_spec(options.model))
+        caps = node_capacity(report, node)
+        return [[TierPlan(t.name, t.bytes // max(1, block_bytes)) for t in caps.tiers]]
+    if options.capacity_frac:
+        return [[TierPlan("hbm", max(1, round(f * trace.unique_blocks)))] for f in options.capacity_frac]
+    return [[TierPlan("hbm", n)] for n in options.capacity_blocks]
+
+
+def cost_model_for(options: ReplayOptions, plan: list[TierPlan], block_size: int) -> CostModel:
+    spec = load_model_spec(options.model)
+    node = load_node_tiers(options.tiers or options.node)
+    return make_cost_model(spec, size_model(spec), node, tuple(t.name for t in plan), block_size)
+
+
+def run_replay(
+    options: ReplayOptions,
+    trace: PreparedTrace,
+    progress_factory: Callable[[str], Callable[[int], None] | None] = lambda label: None,
+) -> dict:
+    """Every policy at every capacity point, plus reference deployments for a tiers file."""
+    options.validate()
+    spec = load_model_spec(options.model)
+    block_bytes = size_model(spec).bytes_per_token * trace.block_size
+    results: list[ReplayResult] = []
+    for plan in plans(options, trace, block_bytes):
+        cost = cost_model_for(options, plan, trace.block_size)
+        for policy in options.policies:
+            results.append(
+                replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
+                       progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
+            )
+    out = {
+        "trace": trace.name,
+        "requests": trace.requests,
+        "block_refs": trace.block_refs,
+        "unique_blocks": trace.unique_blocks,
+        "block_size": trace.block_size,
+        "model": options.model,
+        "results": [r.to_dict() for r in results],
+        "infinite_hit_rate": trace.infinite_hit_rate(),
+    }
+    if options.tiers:
+        out["reference_deployments"] = _references(options, trace, block_bytes)
+    return out
+
+
+def _references(options: ReplayOptions, trace: PreparedTrace, block_bytes: int) -> list[dict]:
+    full = {t.name: t for t in plans(options, trace, block_bytes)[0]}
+    refs = []
+    for label, names in REFERENCE_DEPLOYMENTS:
+        plan = [full[n] for n in names if n in full]
+        result = replay(trace, "lru", plan, cost=cost_model_for(options, plan, trace.block_size))
+        refs.append({"deployment": label, **result.to_dict()})
+    return refs

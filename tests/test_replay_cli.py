@@ -1,0 +1,59 @@
+"""`kvcluster replay`: JSON shape, tiers mode with reference deployments, plot, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcluster.cli import main
+
+FIXTURE = str(Path(__file__).parent / "fixtures" / "traces" / "bailian.jsonl")
+
+
+def run(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code)
+    captured = capsys.readouterr()
+    data = json.loads(captured.out) if code == 0 and "--json" in argv else None
+    return code, data, captured.err
+
+
+def test_replay_json_shape(capsys) -> None:
+    code, data, err = run(capsys, "replay", FIXTURE, "--policies", "lru,bayes,belady", "--capacity-blocks", "2,50", "--json")
+    assert code == 0 and "skipped" in err
+    assert {"trace", "requests", "block_refs", "results", "infinite_hit_rate"} <= set(data)
+    assert len(data["results"]) == 6
+    row = data["results"][0]
+    assert {"policy", "capacity_blocks", "hit_rate", "per_tier", "projected_ttft_s"} <= set(row)
+    big = [r for r in data["results"] if r["capacity_blocks"] == 50]
+    assert all(r["hit_rate"] == pytest.approx(data["infinite_hit_rate"]) for r in big)
+
+
+def test_replay_over_a_node_s_tiers_reports_references(capsys, tmp_path: Path) -> None:
+    png = tmp_path / "hit.png"
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policy", "bayes", "--tiers", "laptop-cpu",
+                        "--model", "kvcluster-tiny-llama", "--prefetch-lead-s", "1", "--plot", str(png), "--json")
+    assert code == 0 and png.stat().st_size > 1000
+    assert [t["name"] for t in data["results"][0]["tiers"]] == ["hbm", "dram", "cxl", "nvme", "rdma", "pfs"]
+    assert [r["deployment"] for r in data["reference_deployments"]] == ["vllm-prefix-lru", "lmcache-lru"]
+    assert "prefetch" in data["results"][0]
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["replay", FIXTURE, "--policy", "mru", "--capacity-blocks", "4"], "unknown policy"),
+        (["replay", FIXTURE, "--policy", "lru"], "exactly one of"),
+        (["replay", FIXTURE, "--policy", "lru", "--capacity-frac", "1.5"], "(0, 1]"),
+        (["replay", "/no/such/file", "--policy", "lru", "--capacity-blocks", "4"], "trace not found"),
+        (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--strict"], "bailian.jsonl:4"),
+        (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "x"], "invalid"),
+    ],
+)
+def test_bad_replay_input_exits_2(capsys, argv, fragment) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and fragment in err and "Traceback" not in err
