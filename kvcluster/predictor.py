@@ -84,6 +84,11 @@ class ReusePredictor:
         reuses, uses = (rec[2], rec[3]) if rec else (0, 0)
         return (k * self.p_reuse_pair(pair) + reuses) / (k + uses)
 
+    def pair_of(self, block: int, default: int) -> int:
+        """The pair a watched block was last used under, else `default`."""
+        rec = self._rec.get(block)
+        return rec[0] if rec else default
+
     def observe(self, block: int, pair: int, now: float) -> bool:
         """A block was used (or stored) at `now`; True if this was a counted reuse."""
         self.expire(now)

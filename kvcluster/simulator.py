@@ -125,13 +125,14 @@ def build_hierarchy(
     predictor_config: PredictorConfig | None = None,
     heads: int = 1,
     head_importance: Sequence[float] | None = None,
+    policy_options: dict | None = None,
 ) -> Hierarchy:
     """One policy instance per tier; each `bayes` tier learns its own traffic's posteriors."""
     policies = []
     for tier in plan:
-        kwargs: dict = {}
+        kwargs: dict = dict(policy_options or {})
         if policy == "bayes":
-            kwargs = {"predictor": ReusePredictor(predictor_config), "heads": heads, "head_importance": head_importance}
+            kwargs.update(predictor=ReusePredictor(predictor_config), heads=heads, head_importance=head_importance)
         policies.append(make_policy(policy, tier.capacity_blocks, **kwargs))
     return Hierarchy([t.name for t in plan], policies)
 
@@ -178,6 +179,7 @@ def replay(
     progress: Callable[[int], None] | None = None,
     heads: int = 1,
     head_importance: Sequence[float] | None = None,
+    policy_options: dict | None = None,
 ) -> ReplayResult:
     """Replay `trace` through a hierarchy of `policy` tiers; optionally project TTFT.
 
@@ -189,7 +191,7 @@ def replay(
     if heads > 1:
         trace = shard_trace(trace, heads)
         plan = [TierPlan(t.name, t.capacity_blocks * heads) for t in plan]
-    hierarchy = build_hierarchy(policy, plan, predictor_config, heads, head_importance)
+    hierarchy = build_hierarchy(policy, plan, predictor_config, heads, head_importance, policy_options)
     offline = POLICIES[policy].offline
     next_uses = trace.next_uses() if offline else None
     future: dict[int, int] | None = {} if offline else None

@@ -69,6 +69,8 @@ def test_replay_invariants(requests, cap0, cap1) -> None:
         assert first.hit_rate <= infinite + 1e-12
         big = replay(prepared, policy, [TierPlan("hbm", prepared.unique_blocks)])
         assert big.hit_rate == pytest.approx(infinite)
+        deep = replay(prepared, policy, [TierPlan("hbm", cap0), TierPlan("nvme", prepared.unique_blocks)])
+        assert deep.hit_rate == pytest.approx(infinite)  # nothing demoted is ever lost
 
 
 def test_head_shards_count_partial_hits() -> None:

@@ -79,12 +79,14 @@ class BayesPolicy(EvictionPolicy):
         return self._place(blocks, self._values(blocks, self.predictor.observe_many(blocks, pairs, ctx.now)))
 
     def admit(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
-        """Demoted blocks keep the value the predictor gives them, without a new use."""
-        pairs = self._pairs(blocks, ctx)
-        new = [(b, pair) for b, pair in zip(blocks, pairs) if b not in self._prio]
-        p_block = self.predictor.p_block
-        ids = [b for b, _ in new]
-        return self._place(ids, self._values(ids, [p_block(b, pair) for b, pair in new]))
+        """Demoted blocks keep the value the predictor gives them, without a new use.
+
+        Their pair is the one they were last used under (ctx describes another request).
+        """
+        pair_of, p_block = self.predictor.pair_of, self.predictor.p_block
+        fallback = 1 * _NT + ctx.transition
+        new = [b for b in blocks if b not in self._prio]
+        return self._place(new, self._values(new, [p_block(b, pair_of(b, fallback)) for b in new]))
 
     def value(self, block: int, pair: int, position: int) -> float:
         """Expected value per byte of keeping `block` resident."""
