@@ -1,0 +1,161 @@
+"""Put/get bandwidth of every tier backend against a raw reference of the same bytes, same run.
+
+References: numpy copy (hbm/dram/cxl), raw os.pwrite / os.preadv on the same
+directory (nvme), plain file write+read (pfs), one raw NIXL transfer (rdma).
+Goal: every backend >= 80% of its reference at >= 4 MiB batches.
+
+    .venv/bin/python benchmarks/tier_bandwidth.py [--json] [--dir DIR] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcluster.keys import KeySpace
+from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, cxl_backend, dram_backend, hbm_backend
+
+BLOCK = 256 << 10
+BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def ref_copy(blocks: list[np.ndarray], out: list[np.ndarray]):
+    def put():
+        for b, o in zip(blocks, out):
+            np.copyto(o, b)
+    return put, put
+
+
+def ref_posix(directory: Path, blocks: list[np.ndarray], direct: bool):
+    """Raw pwrite/preadv with the same open flags the backend got (O_DIRECT needs aligned buffers)."""
+    path = directory / "reference.bin"
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    bufs = [mmap.mmap(-1, BLOCK) for _ in blocks]
+    for buf, b in zip(bufs, blocks):
+        buf[:] = b.tobytes()
+    blocks = bufs
+
+    def put():
+        for i, b in enumerate(blocks):
+            os.pwrite(fd, b, i * BLOCK)
+
+    def get():
+        for i, buf in enumerate(bufs):
+            os.preadv(fd, [buf], i * BLOCK)
+    return put, get
+
+
+def ref_files(directory: Path, blocks: list[np.ndarray]):
+    def put():
+        for i, b in enumerate(blocks):
+            with open(directory / f"ref{i}.bin", "wb") as f:
+                f.write(b)
+
+    out = [np.empty(BLOCK, dtype=np.uint8) for _ in blocks]
+
+    def get():
+        for i, o in enumerate(out):
+            with open(directory / f"ref{i}.bin", "rb") as f:
+                f.readinto(memoryview(o))
+    return put, get
+
+
+def ref_nixl(nbytes: int):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    a = nixl_agent(f"ref-a-{nbytes}", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent(f"ref-b-{nbytes}", nixl_agent_config(backends=["UCX"]))
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    a.register_memory(src)
+    b.register_memory(dst)
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.get_xfer_descs(src)
+    remote = a.deserialize_descs(b.get_serialized_descs(b.get_xfer_descs(dst)))
+
+    keep = (b, src, dst)  # the peer agent and both buffers must outlive the transfers
+
+    def move(op):
+        def run():
+            assert keep
+            h = a.initialize_xfer(op, local, remote, f"ref-b-{nbytes}")
+            state = a.transfer(h)
+            while state != "DONE":
+                state = a.check_xfer_state(h)
+            a.release_xfer_handle(h)
+        return run
+    return move("WRITE"), move("READ")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--dir", default=None, help="directory for nvme/pfs files (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="kvc-bw-"))
+    rows = []
+    space = KeySpace(model="bench")
+    for nbytes in BATCHES:
+        n = nbytes // BLOCK
+        blocks = [np.random.default_rng(i).integers(0, 255, BLOCK, dtype=np.uint8) for i in range(n)]
+        keys = space.chain_hash_ids(list(range(n)), cache_salt=str(nbytes))
+        out = [np.empty(BLOCK, dtype=np.uint8) for _ in range(n)]
+        slots = max(n, 1)
+        sub = root / f"b{nbytes}"
+        sub.mkdir(parents=True, exist_ok=True)
+        pool = NixlPeerPool(slots, BLOCK)
+        nvme = NVMeBackend(sub / "nvme", slots, BLOCK)
+        cases = {
+            "hbm": (hbm_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "dram": (dram_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "cxl": (cxl_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "nvme": (nvme, ref_posix(sub, blocks, nvme.direct)),
+            "pfs": (PFSBackend(sub / "pfs", 1 << 34), ref_files(sub, blocks)),
+            "rdma": (RDMABackend(pool, max(nbytes, BLOCK), slots), ref_nixl(nbytes)),
+        }
+        items = list(zip(keys, blocks))
+        for name, (backend, (ref_put, ref_get)) in cases.items():
+            put_s = best(lambda: backend.put_many(items), args.repeat)
+            get_s = best(lambda: backend.get_many(keys, out), args.repeat)
+            rput_s, rget_s = best(ref_put, args.repeat), best(ref_get, args.repeat)
+            rows.append({
+                "backend": name, "medium": backend.medium, "emulated": backend.emulated, "batch_bytes": nbytes,
+                "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9,
+                "ref_put_gbps": nbytes / rput_s / 1e9, "ref_get_gbps": nbytes / rget_s / 1e9,
+                "put_vs_ref": rput_s / put_s, "get_vs_ref": rget_s / get_s,
+                "put_latency_us_per_block": put_s / n * 1e6, "get_latency_us_per_block": get_s / n * 1e6,
+            })
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print("| backend | batch | put GB/s | ref | put/ref | get GB/s | ref | get/ref | get us/block |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['batch_bytes'] >> 10:,} KiB | {r['put_gbps']:.2f} | {r['ref_put_gbps']:.2f} | "
+              f"{r['put_vs_ref']:.0%} | {r['get_gbps']:.2f} | {r['ref_get_gbps']:.2f} | {r['get_vs_ref']:.0%} | "
+              f"{r['get_latency_us_per_block']:.0f} |")
+    print("\nmedia: " + "; ".join(sorted({f"{r['backend']}: {r['medium']}" for r in rows})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Tier storage backends: one batched interface, six media (see DESIGN.md's tier table)."""
+
+from .base import StorageBackend, StorageError, checksum
+from .layout import BlockLayout, layout_for
+from .memory import MemoryPoolBackend, cxl_backend, dram_backend, hbm_backend
+from .nvme import NVMeBackend
+from .pfs import PFSBackend
+from .rdma import NixlPeerPool, RDMABackend
+
+__all__ = [
+    "BlockLayout", "MemoryPoolBackend", "NVMeBackend", "NixlPeerPool", "PFSBackend", "RDMABackend",
+    "StorageBackend", "StorageError", "checksum", "cxl_backend", "dram_backend", "hbm_backend", "layout_for",
+]

@@ -1,0 +1,80 @@
+"""The contract of every tier backend: batched, checksummed, misses instead of errors.
+
+A backend stores opaque block payloads (bytes) under `BlockKey`s. Calls take and
+return whole batches: the request path makes one call per tier, never one per
+block. A payload that is missing, truncated or fails its checksum comes back as
+None (a miss; the caller recomputes) and is dropped from the backend. A put that
+cannot be stored (no space, I/O error) returns False for that key and leaves it a
+miss; nothing half-written is ever served.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import KvclusterError
+from ..keys import BlockKey
+
+Payload = bytes | bytearray | memoryview | np.ndarray
+
+
+class StorageError(KvclusterError):
+    """A backend cannot be set up (unwritable directory, no space for its slab, bad size)."""
+
+
+def checksum(data: Payload) -> int:
+    """xxh3-64 of a payload's bytes: fast enough to run on every lower-tier read."""
+    return xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
+
+
+@dataclass
+class BackendStats:
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class StorageBackend(ABC):
+    """One tier's bytes."""
+
+    name: str
+    medium: str  # what actually holds the bytes here, e.g. "posix-odirect file", "DRAM (emulated CXL)"
+    emulated: bool = False  # True when a stand-in replaces the real medium
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]: ...
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+        """Payloads (into `out[i]` when given, else new arrays), None for a miss."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def stats(self) -> dict: ...
+
+    @abstractmethod
+    def check_integrity(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...

@@ -1,0 +1,148 @@
+"""The shared-filesystem tier: content-addressed block files under one root.
+
+Layout: `ROOT/kv/ab/cd/<32 hex key>.kvb`, the path derived only from the key
+(never from user text) and checked to stay under ROOT. Each file is a header
+(magic, version, payload length, xxh3-64) plus the payload, written to a unique
+temp name in the same directory and renamed into place: concurrent writers of
+the same key on several nodes leave exactly one complete file, and a reader
+never sees a partial one. A file that fails its checks is a miss and is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..keys import KEY_BYTES, BlockKey
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+
+MAGIC = b"KVCB"
+HEADER = struct.Struct("<4sHxxQQ")  # magic, version, length, checksum
+VERSION = 1
+
+
+class PFSBackend(StorageBackend):
+    name = "pfs"
+
+    def __init__(self, root: str | Path, capacity_bytes: int) -> None:
+        self.root = Path(root).resolve()
+        self.base = self.root / "kv"
+        try:
+            self.base.mkdir(parents=True, exist_ok=True)
+            probe = self.base / f".probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StorageError(f"pfs: cannot write under {self.root}: {exc.strerror or exc}") from None
+        self.medium = f"files under {self.root}"
+        self.emulated = False
+        self._capacity = capacity_bytes
+        self._dirs: set[Path] = set()
+        self._stats = BackendStats()
+
+    def path_for(self, key: BlockKey) -> Path:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"block keys are {KEY_BYTES}-byte digests, got {len(key)} bytes")
+        hexkey = bytes(key).hex()  # [0-9a-f] only: no separator, no "..", cannot leave base
+        return self.base / hexkey[:2] / hexkey[2:4] / f"{hexkey}.kvb"
+
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+        ok = []
+        for key, data in items:
+            view = memoryview(data).cast("B")
+            if self.used_bytes + view.nbytes > self._capacity:
+                self._stats.put_failures += 1
+                ok.append(False)
+                continue
+            path = self.path_for(key)
+            existed = path.exists()
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            try:
+                if path.parent not in self._dirs:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._dirs.add(path.parent)
+                with open(tmp, "wb") as f:
+                    f.write(HEADER.pack(MAGIC, VERSION, view.nbytes, checksum(view)))
+                    f.write(view)
+                os.replace(tmp, path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                self._stats.put_failures += 1
+                ok.append(False)
+                continue
+            self._stats.puts += 1
+            self._stats.put_bytes += view.nbytes
+            if not existed and self._used is not None:
+                self._used += view.nbytes
+            ok.append(True)
+        return ok
+
+    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+        results: list[np.ndarray | None] = []
+        for i, key in enumerate(keys):
+            path = self.path_for(key)
+            try:
+                with open(path, "rb") as f:
+                    magic, version, length, digest = HEADER.unpack(f.read(HEADER.size))
+                    dst = out[i][:length] if out is not None else np.empty(length, dtype=np.uint8)
+                    got = f.readinto(memoryview(dst)) if magic == MAGIC and version == VERSION else -1
+            except FileNotFoundError:
+                self._stats.misses += 1
+                results.append(None)
+                continue
+            except (OSError, struct.error, ValueError):
+                got, length, digest, dst = -1, 0, 0, None
+            if dst is None or got != length or checksum(dst) != digest:
+                self._stats.corrupt += 1
+                path.unlink(missing_ok=True)
+                results.append(None)
+                continue
+            self._stats.gets += 1
+            self._stats.get_bytes += length
+            results.append(dst)
+        return results
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [self.path_for(key).is_file() for key in keys]
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        for key in keys:
+            path = self.path_for(key)
+            try:
+                size = path.stat().st_size - HEADER.size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            n += 1
+            if self._used is not None:
+                self._used -= size
+        self._stats.deletes += n
+        return n
+
+    _used: int | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of block files under the root: scanned once, then kept up to date by this writer."""
+        if self._used is None:
+            self._used = sum(p.stat().st_size - HEADER.size for p in self.base.glob("??/??/*.kvb"))
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def stats(self) -> dict:
+        return {"name": self.name, "medium": self.medium, "emulated": self.emulated,
+                "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
+
+    def check_integrity(self) -> None:
+        for path in self.base.glob("??/??/*"):
+            assert path.name.endswith(".kvb") or path.name.endswith(".tmp"), path
+            assert path.resolve().parent.parent.parent == self.base

@@ -1,0 +1,213 @@
+"""The RDMA tier: a peer node's memory pool, read and written through NIXL.
+
+The owner of a pool (`NixlPeerPool`, inside the peer's tier actor) registers its
+slab with a NIXL agent and keeps the slot table. A client (`RDMABackend`) makes
+one control call per batch (reserve / commit / lookup, over whatever channel
+connects them: a Ray actor handle in the cluster, a pipe in tests) and moves the
+bytes with one NIXL transfer per batch, straight between its registered staging
+buffer and the peer's slab. Metadata is exchanged once per peer. With UCX over
+loopback (no RDMA NIC here) the same code runs over TCP/shared memory and says so.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..keys import BlockKey
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .slab import SlotTable
+
+
+def _agent(name: str):
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise StorageError(f"rdma: NIXL is not importable: {exc}") from None
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+class PeerControl(Protocol):
+    """What a client asks of a pool's owner; every call takes a whole batch."""
+
+    def connect(self, client_metadata: bytes) -> tuple[bytes, bytes, int, str]: ...
+    def reserve(self, keys: list[bytes], lengths: list[int]) -> list[int | None]: ...
+    def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None: ...
+    def lookup(self, keys: list[bytes]) -> list[tuple[int, int, int] | None]: ...
+    def release(self, keys: list[bytes]) -> int: ...
+    def usage(self) -> int: ...
+
+
+class NixlPeerPool:
+    """A host pool lent to other nodes: NIXL-registered slab + slot table (owner side)."""
+
+    def __init__(self, slots: int, slot_bytes: int, name: str | None = None) -> None:
+        self.slot_bytes = slot_bytes
+        self.pool = torch.zeros((slots, slot_bytes), dtype=torch.uint8)
+        self.agent = _agent(name or f"kvc-pool-{uuid.uuid4().hex[:8]}")
+        self.agent.register_memory(self.pool)
+        self.table = SlotTable(slots)
+        self._pending: dict[bytes, int] = {}
+
+    def connect(self, client_metadata: bytes) -> tuple[bytes, bytes, int, str]:
+        """Exchange metadata once: the client's agent learns this slab's address."""
+        self.agent.add_remote_agent(client_metadata)
+        descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(self.pool))
+        return self.agent.get_agent_metadata(), descs, self.slot_bytes, self.agent.name
+
+    def reserve(self, keys: list[bytes], lengths: list[int]) -> list[int | None]:
+        slots = []
+        for key, length in zip(keys, lengths):
+            slot = self.table.allocate(BlockKey(key)) if length <= self.slot_bytes else None
+            if slot is not None:
+                self.table.release(BlockKey(key))  # not readable until committed
+                self._pending[key] = slot
+            slots.append(slot)
+        return slots
+
+    def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None:
+        for key, slot, length, digest in zip(keys, slots, lengths, digests):
+            if self._pending.pop(key, None) == slot:
+                self.table.commit(BlockKey(key), slot, length, digest)
+
+    def lookup(self, keys: list[bytes]) -> list[tuple[int, int, int] | None]:
+        entries = [self.table.get(BlockKey(k)) for k in keys]
+        return [(e.slot, e.length, e.checksum) if e else None for e in entries]
+
+    def release(self, keys: list[bytes]) -> int:
+        return sum(self.table.release(BlockKey(k)) for k in keys)
+
+    def usage(self) -> int:
+        """Bytes of slots holding committed blocks."""
+        return len(self.table) * self.slot_bytes
+
+
+class RDMABackend(StorageBackend):
+    """A peer's pool as a tier of this node (client side)."""
+
+    name = "rdma"
+
+    def __init__(self, peer: PeerControl, staging_bytes: int, slots: int, name: str | None = None) -> None:
+        self.peer = peer
+        self.agent = _agent(name or f"kvc-client-{uuid.uuid4().hex[:8]}")
+        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
+        self.agent.register_memory(self.staging)
+        self._stage_np = self.staging.numpy()
+        meta, descs, self.slot_bytes, self.peer_name = peer.connect(self.agent.get_agent_metadata())
+        self.agent.add_remote_agent(meta)
+        self._remote_base = self._remote_address(descs)
+        self._slots = slots
+        self.medium = "peer DRAM pool via NIXL UCX (loopback on this machine, no RDMA NIC)"
+        self.emulated = True
+        self._stats = BackendStats()
+
+    def _remote_address(self, descs: bytes) -> int:
+        remote = self.agent.deserialize_descs(descs)
+        return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
+
+    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int]) -> None:
+        """One NIXL transfer for the whole batch: local (offset, length) <-> remote slots."""
+        base = self.staging.data_ptr()
+        local_descs = self.agent.get_xfer_descs([(base + off, n, 0) for off, n in local], "DRAM")
+        remote_descs = self.agent.get_xfer_descs(
+            [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
+        handle = self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + 30
+            while state != "DONE":
+                if state == "ERR" or time.monotonic() > deadline:
+                    raise StorageError(f"rdma: NIXL {op} failed ({state})")
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def _batches(self, lengths: Sequence[int]):
+        """Split a batch so each part fits in the staging buffer."""
+        start, used = 0, 0
+        for i, n in enumerate(lengths):
+            if used + n > self.staging.numel() and i > start:
+                yield start, i
+                start, used = i, 0
+            used += n
+        if start < len(lengths):
+            yield start, len(lengths)
+
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+        views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for _, d in items]
+        keys = [bytes(k) for k, _ in items]
+        ok = [False] * len(items)
+        for lo, hi in self._batches([v.nbytes for v in views]):
+            slots = self.peer.reserve(keys[lo:hi], [v.nbytes for v in views[lo:hi]])
+            picked = [i for i, s in zip(range(lo, hi), slots) if s is not None]
+            local, off = [], 0
+            for i in picked:
+                self._stage_np[off : off + views[i].nbytes] = views[i]
+                local.append((off, views[i].nbytes))
+                off += views[i].nbytes
+            if picked:
+                self._transfer("WRITE", local, [slots[i - lo] for i in picked])
+                self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
+                                 [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+            for i in picked:
+                ok[i] = True
+        self._stats.puts += sum(ok)
+        self._stats.put_failures += len(ok) - sum(ok)
+        self._stats.put_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
+        return ok
+
+    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+        entries = self.peer.lookup([bytes(k) for k in keys])
+        results: list[np.ndarray | None] = [None] * len(keys)
+        found = [i for i, e in enumerate(entries) if e is not None]
+        self._stats.misses += len(keys) - len(found)
+        lengths = [entries[i][1] for i in found]
+        corrupt = []
+        for lo, hi in self._batches(lengths):
+            part = found[lo:hi]
+            local, off = [], 0
+            for i in part:
+                local.append((off, entries[i][1]))
+                off += entries[i][1]
+            self._transfer("READ", local, [entries[i][0] for i in part])
+            for i, (start, n) in zip(part, local):
+                data = self._stage_np[start : start + n]
+                if checksum(data) != entries[i][2]:
+                    corrupt.append(bytes(keys[i]))
+                    continue
+                dst = out[i][:n] if out is not None else np.empty(n, dtype=np.uint8)
+                np.copyto(dst, data)
+                results[i] = dst
+                self._stats.gets += 1
+                self._stats.get_bytes += n
+        if corrupt:
+            self._stats.corrupt += len(corrupt)
+            self.peer.release(corrupt)
+        return results
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [e is not None for e in self.peer.lookup([bytes(k) for k in keys])]
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        n = self.peer.release([bytes(k) for k in keys])
+        self._stats.deletes += n
+        return n
+
+    @property
+    def used_bytes(self) -> int:
+        return self.peer.usage()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._slots * self.slot_bytes
+
+    def stats(self) -> dict:
+        return {"name": self.name, "medium": self.medium, "emulated": self.emulated, "peer": self.peer_name,
+                "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
+
+    def check_integrity(self) -> None:
+        assert self.staging.numel() > 0 and self._remote_base > 0

@@ -1,0 +1,206 @@
+"""Tier backends move real bytes exactly, catch corruption, and fail cleanly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcluster.keys import KeySpace
+from kvcluster.model_spec import load_model_spec
+from kvcluster.storage import (NVMeBackend, NixlPeerPool, PFSBackend, RDMABackend, StorageError, cxl_backend,
+                               dram_backend, hbm_backend, layout_for)
+
+SPACE = KeySpace(model="test")
+
+
+def keys(n: int, salt: str = "") -> list:
+    return SPACE.chain_hash_ids(list(range(n)), cache_salt=salt)
+
+
+def payloads(dtype: torch.dtype, n: int, numel: int = 4096) -> list[np.ndarray]:
+    """Random KV in `dtype`, as raw bits (bf16 moves as uint16, fp8 as uint8)."""
+    torch.manual_seed(1)
+    out = []
+    for _ in range(n):
+        t = torch.randn(numel).to(dtype)
+        bits = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[t.element_size()]
+        out.append(t.view(bits).numpy().view(np.uint8).copy())
+    return out
+
+
+def backends(tmp_path: Path):
+    yield hbm_backend(16, 1 << 14)
+    yield dram_backend(16, 1 << 14)
+    yield cxl_backend(16, 1 << 14)
+    yield NVMeBackend(tmp_path / "nvme", 16, 1 << 14)
+    yield PFSBackend(tmp_path / "pfs", 1 << 20)
+    pool = NixlPeerPool(16, 1 << 14)
+    yield RDMABackend(pool, 1 << 16, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_every_backend_round_trips_bits_exactly(tmp_path: Path, dtype) -> None:
+    data = payloads(dtype, 5, numel=1024 if dtype == torch.float32 else 2048)
+    ks = keys(5, str(dtype))
+    for backend in backends(tmp_path / str(dtype).split(".")[-1]):
+        assert backend.put_many(list(zip(ks, data))) == [True] * 5, backend.name
+        out = [np.empty(d.nbytes, dtype=np.uint8) for d in data]
+        got = backend.get_many(ks, out)
+        assert all(g is not None and np.array_equal(g, d) for g, d in zip(got, data)), backend.name
+        assert backend.contains(ks) == [True] * 5
+        assert backend.delete(ks[:2]) == 2 and backend.get_many(ks[:2]) == [None, None]
+        backend.check_integrity()
+        assert {"name", "medium", "emulated"} <= set(backend.stats())
+
+
+def test_stand_ins_say_so(tmp_path: Path) -> None:
+    assert hbm_backend(1, 64).emulated == (not torch.cuda.is_available())
+    cxl = cxl_backend(1, 64)
+    assert cxl.emulated and "emulated" in cxl.medium or not cxl.emulated
+    nvme = NVMeBackend(tmp_path, 1, 64)
+    assert any(p in nvme.medium for p in ("kvikio", "posix-odirect", "posix-buffered"))
+
+
+def test_full_pools_refuse_and_leave_a_miss(tmp_path: Path) -> None:
+    for backend in (dram_backend(2, 1 << 12), NVMeBackend(tmp_path, 2, 1 << 12), PFSBackend(tmp_path / "p", 3 << 12)):
+        ks, data = keys(4, backend.name), payloads(torch.float32, 4, numel=1024)
+        ok = backend.put_many(list(zip(ks, data)))
+        assert ok[:2] == [True, True] and ok[3] is False
+        assert backend.get_many(ks[3:]) == [None]
+        too_big = np.zeros((1 << 12) + 1, dtype=np.uint8)
+        assert backend.put_many([(keys(1, "big")[0], too_big)]) == [False] or backend.name == "pfs"
+        backend.check_integrity()
+
+
+def test_flipped_byte_on_disk_is_a_miss(tmp_path: Path) -> None:
+    data = payloads(torch.bfloat16, 1)[0]
+    k = keys(1)[0]
+    nvme = NVMeBackend(tmp_path / "n", 4, 1 << 14)
+    nvme.put_many([(k, data)])
+    slot = nvme.table.get(k).slot
+    with open(nvme.path, "r+b") as f:
+        f.seek(slot * nvme.slot_bytes + 100)
+        byte = f.read(1)
+        f.seek(slot * nvme.slot_bytes + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    assert nvme.get_many([k]) == [None] and nvme.stats()["corrupt"] == 1 and not nvme.contains([k])[0]
+    pfs = PFSBackend(tmp_path / "p", 1 << 20)
+    pfs.put_many([(k, data)])
+    path = pfs.path_for(k)
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert pfs.get_many([k]) == [None] and not path.exists()
+
+
+def _pfs_writer(root: str, key: bytes, fill: int, rounds: int) -> None:
+    backend = PFSBackend(root, 1 << 30)
+    data = np.full(1 << 16, fill, dtype=np.uint8)
+    for _ in range(rounds):
+        backend.put_many([(key, data)])
+
+
+def test_concurrent_pfs_writers_leave_one_valid_file(tmp_path: Path) -> None:
+    key = keys(1, "race")[0]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_pfs_writer, args=(str(tmp_path), bytes(key), fill, 30)) for fill in (1, 2, 3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    backend = PFSBackend(tmp_path, 1 << 30)
+    (got,) = backend.get_many([key])
+    assert got is not None and len(set(got.tolist())) == 1 and got[0] in (1, 2, 3)
+    assert list(tmp_path.glob("kv/*/*/*")) == [backend.path_for(key)]  # no temp files left behind
+
+
+def test_unwritable_directories_give_clear_errors(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    if os.access(locked, os.W_OK):  # root ignores mode bits: use a path under a regular file instead
+        locked = tmp_path / "file"
+        locked.write_text("x")
+    with pytest.raises(StorageError, match="pfs: cannot write under"):
+        PFSBackend(locked / "pfs", 1 << 20)
+    with pytest.raises(StorageError, match="nvme: cannot open a slab file"):
+        NVMeBackend(locked / "nvme", 4, 4096)
+    with pytest.raises(StorageError, match="not enough free space|cannot reserve"):
+        NVMeBackend(tmp_path / "huge", 1 << 20, 1 << 30)  # 1 PiB
+
+
+def test_pfs_paths_come_only_from_keys(tmp_path: Path) -> None:
+    pfs = PFSBackend(tmp_path, 1 << 20)
+    path = pfs.path_for(keys(1)[0])
+    assert path.is_relative_to(tmp_path.resolve()) and path.name.endswith(".kvb")
+    with pytest.raises(ValueError):
+        pfs.path_for(b"../etc/passwd")  # not a digest: refused
+    odd = pfs.path_for(b"../../etc/pas\x00\x00\x00")  # any 16 bytes map to hex under the root
+    assert odd.is_relative_to(tmp_path.resolve()) and set(odd.stem) <= set("0123456789abcdef")
+
+
+def test_layouts_per_attention_kind() -> None:
+    gqa = layout_for(load_model_spec("llama-3.1-8b"), 16, "bf16")
+    assert gqa.shape() == (32, 2, 8, 16, 128) and gqa.nbytes() == 16 * 131072 and gqa.shards == 8
+    payload = np.arange(gqa.nbytes() // 2, dtype=np.uint16).view(np.uint8)
+    shard = gqa.shard(payload, 3)
+    assert shard.shape == (32, 2, 16, 128) and not shard.flags["C_CONTIGUOUS"]  # a view, not a copy
+    assert np.shares_memory(shard, payload)
+    mla = layout_for(load_model_spec("deepseek-v3"), 16, "bf16")
+    assert mla.kind == "latent" and mla.shape() == (61, 16, 576) and mla.shards == 1
+    mistral = layout_for(load_model_spec("mistral-7b-v0.1"), 16)
+    assert mistral.layers_needed(0, 16) == mistral.layers and mistral.layers_needed(0, 10_000) == ()
+    gemma = layout_for(load_model_spec("gemma-3-27b"), 16)
+    assert len(gemma.layers_needed(0, 100_000)) == 10  # only the global layers still need an old block
+
+
+class _PipePeer:
+    """Client side of a pool in another process: control calls over a pipe, bytes over NIXL."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def __getattr__(self, method):
+        def call(*args):
+            self.conn.send((method, args))
+            return self.conn.recv()
+
+        return call
+
+
+def _serve_pool(conn) -> None:
+    pool = NixlPeerPool(32, 1 << 16, name="peer-b")
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            conn.send(pool.usage())
+            return
+        conn.send(getattr(pool, method)(*args))
+
+
+def test_rdma_moves_blocks_between_two_processes() -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_pool, args=(child,))
+    proc.start()
+    try:
+        backend = RDMABackend(_PipePeer(parent), staging_bytes=1 << 18, slots=32, name="client-a")
+        data = payloads(torch.bfloat16, 8, numel=20_000)
+        ks = keys(8, "rdma")
+        assert backend.put_many(list(zip(ks, data))) == [True] * 8  # 8 x 40 KB over a 256 KiB staging buffer
+        got = backend.get_many(ks)
+        assert all(np.array_equal(g, d) for g, d in zip(got, data))
+        assert backend.used_bytes == 8 * (1 << 16) and "loopback" in backend.medium
+    finally:
+        parent.send(("stop", ()))
+        parent.recv()
+        proc.join(30)
