@@ -99,7 +99,10 @@ class Hierarchy:
         return promoted
 
     def _cascade(self, evicted: list[int], tier: int, ctx: RequestContext):
+        """Victims fall tier by tier. Each landing is reported as (block, origin, tier it landed in),
+        where origin is the tier the block left, even if it bypassed tiers in between."""
         demoted: list[tuple[int, int, int]] = []
+        origin = {b: tier for b in evicted}
         while evicted:
             self.counters[tier].evictions += len(evicted)
             below = tier + 1
@@ -107,8 +110,9 @@ class Hierarchy:
                 return demoted, evicted
             lower = self.policies[below]
             next_evicted = lower.admit(evicted, ctx)
-            demoted.extend((b, tier, below) for b in evicted if b in lower)
+            demoted.extend((b, origin[b], below) for b in evicted if b in lower)
             self.counters[below].demotions_in += len(evicted)
+            origin = {b: origin.get(b, below) for b in next_evicted}
             evicted, tier = next_evicted, below
         return demoted, []
 
