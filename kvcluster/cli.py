@@ -163,13 +163,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     print(f"{report['trace']} ({trace.format}): {report['requests']:,} requests, {report['block_refs']:,} block refs, "
           f"{report['unique_blocks']:,} unique blocks of {report['block_size']} tokens; "
           f"infinite-cache hit rate {report['infinite_hit_rate']:.4f}")
-    rows = [[r["policy"], f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
-             " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
-             f"{r['projected_ttft_s']['mean'] * 1e3:.1f}", f"{r['refs_per_s']:,}"] for r in report["results"]]
-    for ref in report.get("reference_deployments", []):
-        rows.append([ref["deployment"], f"{ref['capacity_blocks']:,}", f"{ref['hit_rate']:.4f}",
-                     " ".join(f"{k}={v:.3f}" for k, v in ref["per_tier"].items()),
-                     f"{ref['projected_ttft_s']['mean'] * 1e3:.1f}", f"{ref['refs_per_s']:,}"])
+    rows = [
+        [r.get("deployment", r["policy"]), f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
+         " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
+         f"{r['projected_ttft_s']['mean'] * 1e3:.1f}", f"{r['refs_per_s']:,}"]
+        for r in report["results"] + report.get("reference_deployments", [])
+    ]
     print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]))
     if args.plot:
         print(f"wrote {args.plot}")

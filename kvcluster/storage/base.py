@@ -78,3 +78,31 @@ class StorageBackend(ABC):
     @property
     @abstractmethod
     def capacity_bytes(self) -> int: ...
+
+
+class SlottedBackend(StorageBackend):
+    """Shared bookkeeping of backends built on a `SlotTable` (the memory pools, the nvme slab)."""
+
+    table: "SlotTable"  # noqa: F821 - set by subclasses
+    slot_bytes: int
+    _stats: BackendStats
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [key in self.table for key in keys]
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        n = sum(self.table.release(key) for key in keys)
+        self._stats.deletes += n
+        return n
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.table) * self.slot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.table.slots * self.slot_bytes
+
+    def stats(self) -> dict:
+        return {"name": self.name, "medium": self.medium, "emulated": self.emulated, "blocks": len(self.table),
+                "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}

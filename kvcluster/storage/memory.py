@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from ..keys import BlockKey
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
 from .numa import bind_to_node, cpuless_numa_nodes
 from .slab import SlotTable
 
 
-class MemoryPoolBackend(StorageBackend):
+class MemoryPoolBackend(SlottedBackend):
     def __init__(self, name: str, slots: int, slot_bytes: int, *, device: str = "cpu", pin: bool = False,
                  verify: bool = True, medium: str = "", emulated: bool = False) -> None:
         if slot_bytes <= 0:
@@ -76,26 +76,6 @@ class MemoryPoolBackend(StorageBackend):
             self._stats.get_bytes += entry.length
             results.append(dst)
         return results
-
-    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [key in self.table for key in keys]
-
-    def delete(self, keys: Sequence[BlockKey]) -> int:
-        n = sum(self.table.release(key) for key in keys)
-        self._stats.deletes += n
-        return n
-
-    @property
-    def used_bytes(self) -> int:
-        return len(self.table) * self.slot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.table.slots * self.slot_bytes
-
-    def stats(self) -> dict:
-        return {"name": self.name, "medium": self.medium, "emulated": self.emulated, "blocks": len(self.table),
-                "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
 
     def check_integrity(self) -> None:
         self.table.check_integrity()

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ..keys import BlockKey
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
 from .slab import SlotTable
 
 ALIGN = 4096
@@ -29,7 +29,7 @@ def _cuda_driver_present() -> bool:
     return ctypes.util.find_library("cuda") is not None
 
 
-class NVMeBackend(StorageBackend):
+class NVMeBackend(SlottedBackend):
     name = "nvme"
 
     def __init__(self, directory: str | Path, slots: int, slot_bytes: int, *, direct: bool = True) -> None:
@@ -130,26 +130,8 @@ class NVMeBackend(StorageBackend):
             results.append(dst)
         return results
 
-    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [key in self.table for key in keys]
-
-    def delete(self, keys: Sequence[BlockKey]) -> int:
-        n = sum(self.table.release(key) for key in keys)
-        self._stats.deletes += n
-        return n
-
-    @property
-    def used_bytes(self) -> int:
-        return len(self.table) * self.slot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.table.slots * self.slot_bytes
-
     def stats(self) -> dict:
-        return {"name": self.name, "medium": self.medium, "emulated": self.emulated, "o_direct": self.direct,
-                "blocks": len(self.table), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
-                **self._stats.__dict__}
+        return {**super().stats(), "o_direct": self.direct}
 
     def check_integrity(self) -> None:
         self.table.check_integrity()
