@@ -38,8 +38,10 @@ class MemoryPoolBackend(SlottedBackend):
 
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
         ok = []
+        host, table, verify = self._host, self.table, self.verify
         for key, data in items:
-            view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            view = data if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 \
+                else np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
             slot = self.table.allocate(key) if view.nbytes <= self.slot_bytes else None
             if slot is None:
                 self._stats.put_failures += 1
