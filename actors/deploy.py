@@ -1,0 +1,27 @@
+"""Start the cache actors on a running Ray cluster: index, predictor, and tier actors per node."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .index_actor import INDEX_NAME, NAMESPACE, IndexActor
+from .predictor_actor import PREDICTOR_NAME, PredictorActor
+from .tier_actor import TierActor, TierActorConfig, actor_name
+
+
+def start_global_actors(checkpoint_dir: str, namespace: str = NAMESPACE):
+    """The index and the predictor: one each, detached, found again by name after a restart."""
+    index = IndexActor.options(name=INDEX_NAME, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
+    predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=namespace, lifetime="detached",
+                                       get_if_exists=True).remote(checkpoint_dir)
+    return index, predictor
+
+
+def start_tier_actor(config: TierActorConfig, node_id: str, namespace: str = NAMESPACE):
+    """A tier actor pinned to the Ray node `node_id` (hex), named kvcluster/<node>/<tier>."""
+    return TierActor.options(
+        name=actor_name(config.node, config.tier),
+        namespace=namespace,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(config.model_dump())

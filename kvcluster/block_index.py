@@ -1,0 +1,93 @@
+"""Global block index: which node and tier hold which block key.
+
+Kept consistent by batched events from tier actors (stored, removed, a whole
+tier or node lost). Answers "longest prefix and where" for a request's keys in
+one call. Pure logic; the index actor adds concurrency and naming.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .keys import BlockKey
+from .tiers import TIER_ORDER
+
+Location = tuple[str, str]  # (node, tier)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    length: int  # leading keys held somewhere
+    locations: tuple[tuple[Location, ...], ...]  # for each of them, every (node, tier) holding it, fastest first
+
+    def best_node(self) -> str | None:
+        """The node holding the most of the prefix (ties: the one with more fast-tier blocks)."""
+        score: dict[str, tuple[int, int]] = {}
+        for locs in self.locations:
+            for node in {n for n, _ in locs}:
+                fast = min(TIER_ORDER.index(t) for n, t in locs if n == node)
+                held, speed = score.get(node, (0, 0))
+                score[node] = (held + 1, speed - fast)
+        return max(score, key=lambda n: score[n]) if score else None
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self._where: dict[BlockKey, set[Location]] = {}
+        self._by_location: dict[Location, set[BlockKey]] = defaultdict(set)
+
+    def stored(self, node: str, tier: str, keys: Iterable[BlockKey]) -> None:
+        loc = (node, tier)
+        bucket = self._by_location[loc]
+        for key in keys:
+            self._where.setdefault(key, set()).add(loc)
+            bucket.add(key)
+
+    def removed(self, node: str, tier: str, keys: Iterable[BlockKey]) -> None:
+        loc = (node, tier)
+        bucket = self._by_location.get(loc, set())
+        for key in keys:
+            bucket.discard(key)
+            places = self._where.get(key)
+            if places is not None:
+                places.discard(loc)
+                if not places:
+                    del self._where[key]
+
+    def lost(self, node: str, tier: str | None = None) -> int:
+        """A tier actor restarted empty, or a node left: forget what it held."""
+        locs = [loc for loc in self._by_location if loc[0] == node and (tier is None or loc[1] == tier)]
+        n = 0
+        for loc in locs:
+            keys = self._by_location.pop(loc)
+            n += len(keys)
+            self.removed(loc[0], loc[1], keys)
+        return n
+
+    def longest_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
+        order = TIER_ORDER.index
+        locations = []
+        for key in keys:
+            places = self._where.get(key)
+            if not places:
+                break
+            locations.append(tuple(sorted(places, key=lambda loc: (order(loc[1]), loc[0]))))
+        return PrefixMatch(len(locations), tuple(locations))
+
+    def occupancy(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = defaultdict(dict)
+        for (node, tier), keys in self._by_location.items():
+            if keys:
+                out[node][tier] = len(keys)
+        return dict(out)
+
+    def check_integrity(self) -> None:
+        for key, places in self._where.items():
+            assert places, "a key with no location"
+            for loc in places:
+                assert key in self._by_location[loc]
+        for loc, keys in self._by_location.items():
+            for key in keys:
+                assert loc in self._where[key]
