@@ -1,125 +1,383 @@
-"""Trace loaders on the real shared files and on small fixtures; classification rules."""
+"""Trace loaders on the shared files and on small fixtures; malformed records; classification rules."""
 
 from __future__ import annotations
 
+import json
+import math
+import time
 from pathlib import Path
 
 import pytest
 
 from kvcluster.block_types import BlockType, TransitionType
-from kvcluster.errors import TraceError
+from kvcluster.errors import ConfigError, TraceError
 from kvcluster.keys import KeySpace
 from kvcluster.paths import shared_data_dir
-from kvcluster.simulator import prepare
-from kvcluster.traces import detect_format, load_trace
-from kvcluster.traces.classify import HashTraceClassifier, block_types_from_roles
+from kvcluster.tokenizer import tokenizer_dir
+from kvcluster.traces import TRACE_FORMATS, detect_format, load_trace
+from kvcluster.traces.base import Trace
+from kvcluster.traces.classify import PrefixClassifier, majority_block_types
+from kvcluster.traces.sharegpt import root_id
 
 DATA = shared_data_dir()
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason="shared data not present")
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not present in {DATA}")
+needs_tokenizer = pytest.mark.skipif(not (tokenizer_dir() / "tokenizer.json").is_file(),
+                                     reason="no offline tokenizer; run scripts/fetch_tokenizer.py")
+S, H, T, O = BlockType.SYSTEM, BlockType.HISTORY, BlockType.TOOL, BlockType.OUTPUT
+FIRST, APPEND, FORK, STEP = TransitionType.FIRST, TransitionType.APPEND, TransitionType.FORK, TransitionType.AGENT_STEP
+
+
+def infinite_hit_rate(trace: Trace) -> float:
+    """Requests in order: leading keys already seen / all refs."""
+    seen: set = set()
+    hits = 0
+    for r in trace.requests:
+        for k in r.block_keys:
+            if k not in seen:
+                break
+            hits += 1
+        seen.update(r.block_keys)
+    return hits / max(1, trace.block_refs)
+
+
+def by_session(trace: Trace) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in trace.requests:
+        out.setdefault(r.session, []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------- shared data
 
 
 @needs_data
-def test_mooncake_counts() -> None:
-    trace = load_trace(str(DATA / "mooncake" / "synthetic_trace.jsonl"))
-    assert trace.format == "mooncake" and trace.block_size == 512
+def test_mooncake_counts_keys_and_order() -> None:
+    path = DATA / "mooncake" / "synthetic_trace.jsonl"
+    started = time.perf_counter()
+    trace = load_trace(str(path))
+    elapsed = time.perf_counter() - started
+    assert trace.format == "mooncake" and trace.block_size == 512 and not trace.skipped
     assert (len(trace.requests), trace.block_refs, trace.unique_blocks) == (3993, 121_877, 43_924)
-    assert not trace.skipped
-    assert {r.transition for r in trace.requests} >= {TransitionType.FIRST, TransitionType.APPEND, TransitionType.FORK}
+    assert infinite_hit_rate(trace) == pytest.approx(0.640, abs=5e-4)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    space = KeySpace(model="trace:mooncake")
+    for line, r in zip(lines[:50], trace.requests):  # one request per line, in file order, one key per hash id
+        assert r.block_keys == tuple(space.chain_hash_ids(line["hash_ids"]))
+        assert (r.arrival_s, r.input_tokens, r.output_tokens) == (line["timestamp"] / 1000, line["input_length"],
+                                                                  line["output_length"])
+    assert [r.input_tokens for r in trace.requests] == [line["input_length"] for line in lines]
+    assert {r.transition for r in trace.requests} == {FIRST, APPEND, FORK}
+    assert all(len(r.block_types) == len(r.block_keys) for r in trace.requests)
+    assert elapsed < 5.0  # ~0.35 s here
 
 
 @needs_data
-def test_claude_code_sessions_merge_into_one_timeline() -> None:
-    files = sorted((DATA / "weka_claude_code_traces").glob("*.json"))
-    assert len(files) == 44
-    trace = load_trace(str(files[0]))
-    assert trace.format == "claude-code" and trace.block_size == 64
-    assert {r.transition for r in trace.requests[1:]} <= {TransitionType.AGENT_STEP, TransitionType.APPEND, TransitionType.FORK}
-    assert [r.arrival_s for r in trace.requests] == sorted(r.arrival_s for r in trace.requests)
-
-
-def test_claude_code_sessions_share_only_the_system_prefix(tmp_path: Path) -> None:
-    import json
-
-    for k in range(2):
-        doc = {"id": f"trace_{k}", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 128, "system_tokens": 64,
-               "requests": [{"t": 0.0, "type": "n", "in": 320, "out": 10, "hash_ids": [1, 2, 3, 4, 5], "stop": "tool_use"},
-                            {"t": 5.0, "type": "n", "in": 384, "out": 10, "hash_ids": [1, 2, 3, 4, 5, 6], "stop": "end_turn"}]}
-        (tmp_path / f"trace_{k}.json").write_text(json.dumps(doc))
-    trace = load_trace(str(tmp_path))
-    a, b = [r for r in trace.requests if r.arrival_s == 0.0], [r for r in trace.requests if r.arrival_s == 60.0]
-    assert a[0].block_keys[:3] == b[0].block_keys[:3] and a[0].block_keys[3] != b[0].block_keys[3]
-    second = [r for r in trace.requests if r.arrival_s == 5.0][0]
-    assert second.transition is TransitionType.AGENT_STEP
-    assert second.block_types[-1] is BlockType.OUTPUT or second.block_types[-1] is BlockType.TOOL
-
-
-@needs_data
-def test_sharegpt_and_swe_agent_tokenize_with_the_offline_tokenizer() -> None:
-    share = load_trace(str(DATA / "sharegpt_v3" / "sharegpt_v3_subset.jsonl"), max_records=20)
-    assert share.format == "sharegpt" and share.block_size == 16 and share.requests
-    assert {t for r in share.requests for t in r.block_types} >= {BlockType.HISTORY, BlockType.OUTPUT}
-    swe = load_trace(str(DATA / "swe_agent_trajectories" / "test_data"))
-    assert swe.format == "swe-agent"
-    assert {r.transition for r in swe.requests} == {TransitionType.FIRST, TransitionType.AGENT_STEP}
-    assert BlockType.TOOL in {t for r in swe.requests for t in r.block_types}
-    assert prepare(swe).infinite_hit_rate() > 0.5  # agent turns re-send their whole history
+def test_claude_code_directory_merges_44_sessions() -> None:
+    folder = DATA / "weka_claude_code_traces"
+    started = time.perf_counter()
+    trace = load_trace(str(folder))
+    elapsed = time.perf_counter() - started
+    files = sorted(folder.glob("*.json"))
+    assert len(files) == 44 and trace.format == "claude-code" and trace.block_size == 64 and not trace.skipped
+    sessions = by_session(trace)
+    assert {f.stem for f in files} <= set(sessions) and len([s for s in sessions if "/" not in s]) == 44
+    arrivals = [r.arrival_s for r in trace.requests]
+    assert arrivals == sorted(arrivals)
+    for k, f in enumerate(files):
+        assert sessions[f.stem][0].arrival_s == pytest.approx(k * 60.0)
+    firsts = [sessions[f.stem][0] for f in files]
+    assert len({r.block_keys[0] for r in firsts}) == 1  # one shared tools+system prefix
+    assert firsts[0].transition is FIRST and {r.transition for r in firsts[1:]} == {FORK}
+    doc = json.loads(files[0].read_text())
+    n = (doc["tool_tokens"] + doc["system_tokens"]) // 64
+    assert firsts[0].block_types[:n] == (S,) * n and firsts[0].block_types[n] is not S
+    assert {r.transition for r in trace.requests} == {FIRST, APPEND, FORK, STEP}
+    assert {t for r in trace.requests for t in r.block_types} == {S, H, T, O}
+    assert trace.block_refs == 5_547_205 and infinite_hit_rate(trace) > 0.95
+    assert elapsed < 10.0  # ~1.7 s here
 
 
 @needs_data
-def test_azure_is_arrivals_only() -> None:
-    trace = load_trace(str(DATA / "azure_llm_inference_2023" / "AzureLLMInferenceTrace_code.csv"))
-    assert len(trace.requests) == 8819 and prepare(trace).infinite_hit_rate() == 0.0
+def test_claude_code_single_file() -> None:
+    path = DATA / "weka_claude_code_traces" / "trace_0017.json"
+    trace = load_trace(str(path))
+    assert trace.format == "claude-code" and trace.name == "trace_0017"
+    sub = [r for r in trace.requests if r.session.startswith("trace_0017/")]
+    assert len(sub) == 11 and sub[1].transition is STEP and sub[1].stop == "tool_use"
+    steps = [r for r in trace.requests if r.session == "trace_0017"][1:]
+    assert sum(r.transition is STEP for r in steps) > 0.9 * len(steps)
 
 
-def test_bailian_fixture_sessions_and_bad_lines() -> None:
-    trace = load_trace(str(FIXTURES / "bailian.jsonl"))
-    assert trace.format == "bailian" and len(trace.requests) == 4
-    assert trace.skipped[0].endswith("bailian.jsonl:4: not JSON (Expecting value)")
-    assert ":6:" in trace.skipped[1]
-    by_time = {r.arrival_s: r for r in trace.requests}
-    assert by_time[2.0].transition is TransitionType.APPEND and by_time[2.0].session == by_time[0.0].session
-    assert by_time[3.0].transition is TransitionType.APPEND
-    assert by_time[2.0].block_types[0] is BlockType.SYSTEM  # hash 1 is shared with chat 2, another session
-    with pytest.raises(TraceError, match="bailian.jsonl:4"):
-        load_trace(str(FIXTURES / "bailian.jsonl"), strict=True)
+@needs_data
+@needs_tokenizer
+def test_sharegpt_turns_extend_each_other() -> None:
+    path = DATA / "sharegpt_v3" / "sharegpt_v3_subset.jsonl"
+    trace = load_trace(str(path), max_records=30)
+    assert trace.format == "sharegpt" and trace.block_size == 16 and trace.requests
+    with open(path) as f:
+        roots = {root_id(json.loads(next(f))["id"]) for _ in range(30)}
+    sessions = by_session(trace)
+    assert set(sessions) <= roots and len(sessions) >= len(roots) - 3  # parts joined per root
+    for turns in sessions.values():
+        assert turns[0].transition in (FIRST, FORK) and all(t.transition is APPEND for t in turns[1:])
+        for a, b in zip(turns, turns[1:]):
+            assert b.block_keys[: len(a.block_keys)] == a.block_keys
+            assert b.input_tokens >= a.input_tokens + a.output_tokens
+    assert {t for r in trace.requests for t in r.block_types} >= {H, O}
 
 
+@needs_data
+@needs_tokenizer
+def test_swe_agent_steps_and_roles() -> None:
+    trace = load_trace(str(DATA / "swe_agent_trajectories" / "test_data"))
+    assert trace.format == "swe-agent" and not trace.skipped
+    sessions = by_session(trace)
+    assert len(sessions) == 3
+    for turns in sessions.values():
+        assert turns[0].transition in (FIRST, FORK) and {t.transition for t in turns[1:]} == {STEP}
+        assert turns[0].block_types[0] is S
+    assert {t for r in trace.requests for t in r.block_types} == {S, H, T, O}
+    assert infinite_hit_rate(trace) > 0.5  # every step re-sends the whole history
+    one = load_trace(str(next((DATA / "swe_agent_trajectories" / "demo").rglob("*.traj"))))
+    assert one.format == "swe-agent" and one.requests
+
+
+@needs_data
+def test_azure_is_arrivals_and_lengths_only() -> None:
+    path = DATA / "azure_llm_inference_2023" / "AzureLLMInferenceTrace_code.csv"
+    trace = load_trace(str(path))
+    assert trace.format == "azure" and trace.block_size == 16 and len(trace.requests) == 8819
+    assert infinite_hit_rate(trace) == 0.0 and trace.unique_blocks == trace.block_refs
+    assert all(len(r.block_keys) == math.ceil(r.input_tokens / 16) for r in trace.requests)
+    assert trace.requests[0].arrival_s == 0.0 and trace.requests[-1].arrival_s == pytest.approx(3435.6, abs=1)
+
+
+@needs_data
+def test_auto_detection_of_the_shared_files() -> None:
+    cases = {
+        "mooncake/synthetic_trace.jsonl": "mooncake",
+        "weka_claude_code_traces": "claude-code",
+        "weka_claude_code_traces/trace_0001.json": "claude-code",
+        "sharegpt_v3/sharegpt_v3_subset.jsonl": "sharegpt",
+        "swe_agent_trajectories": "swe-agent",
+        "azure_llm_inference_2023/AzureLLMInferenceTrace_conv.csv": "azure",
+    }
+    for rel, fmt in cases.items():
+        assert detect_format(str(DATA / rel)) == fmt, rel
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def test_bailian_fixture_sessions_transitions_and_bad_lines() -> None:
+    path = FIXTURES / "bailian.jsonl"
+    trace = load_trace(str(path))
+    assert trace.format == "bailian" and trace.block_size == 16 and len(trace.requests) == 7
+    assert trace.skipped == (f"{path}:4: not JSON (Expecting value)",
+                             f"{path}:6: needs chat_id, timestamp >= 0 (s), input_length/output_length >= 0 "
+                             "and hash_ids: [int]")
+    at = {r.arrival_s: r for r in trace.requests}
+    assert [r.arrival_s for r in trace.requests] == [0.0, 1.0, 2.0, 3.0, 3.5, 5.0, 6.0]  # sorted by time
+    assert {at[t].session for t in (0.0, 2.0, 3.0, 3.5)} == {"1"} and at[1.0].session == "2"
+    assert at[5.0].session == at[6.0].session == "99"  # parent outside the file: siblings share it
+    assert [at[t].transition for t in (0.0, 1.0, 2.0, 3.0, 3.5, 5.0, 6.0)] == [FIRST, FORK, APPEND, APPEND, APPEND,
+                                                                               FIRST, FORK]
+    assert at[1.0].block_types == (S, H)  # hash 1 was chat 1's: another session
+    assert at[2.0].block_types[0] is S and at[3.0].block_types == (S, H, H, H, O, H)  # tokens 64-80: chat 3's answer
+    with pytest.raises(TraceError, match="bailian.jsonl:4: not JSON"):
+        load_trace(str(path), strict=True)
+
+
+@needs_tokenizer
 def test_lmsys_fixture() -> None:
-    trace = load_trace(str(FIXTURES / "lmsys.jsonl"), block_size=4)
-    assert trace.format == "lmsys" and len(trace.skipped) == 1 and "lmsys.jsonl:3" in trace.skipped[0]
-    turns = [r for r in trace.requests if r.session == "c1"]
-    assert [r.transition for r in turns] == [TransitionType.FIRST, TransitionType.APPEND]
-    assert turns[1].block_keys[: len(turns[0].block_keys)] == turns[0].block_keys
+    path = FIXTURES / "lmsys.jsonl"
+    trace = load_trace(str(path), block_size=4)
+    assert trace.format == "lmsys" and trace.block_size == 4
+    assert trace.skipped == (f"{path}:3: needs conversation_id and conversation: [{{role: str, content: str}}]",)
+    sessions = by_session(trace)
+    assert [r.transition for r in sessions["c1"]] == [FIRST, APPEND]
+    first, second = sessions["c1"]
+    assert second.block_keys[: len(first.block_keys)] == first.block_keys and O in second.block_types
+    assert second.output_tokens > 0 and second.input_tokens > first.input_tokens + first.output_tokens
+    c4, c5 = sessions["c4"][0], sessions["c5"][0]
+    assert c4.transition is FIRST and c5.transition is FORK  # same system prompt
+    shared = next(i for i, (a, b) in enumerate(zip(c4.block_keys, c5.block_keys)) if a != b)
+    assert shared >= 4 and c5.block_types[:4] == (S,) * 4
+
+
+@needs_tokenizer
+def test_sharegpt_json_array_and_joined_parts(tmp_path: Path) -> None:
+    entries = [{"id": "abc_0", "conversations": [{"from": "human", "value": "Tell me about prefix caching in detail."},
+                                                 {"from": "gpt", "value": "It keeps the KV of shared prefixes."}]},
+               {"id": "abc_1", "conversations": [{"from": "human", "value": 3}]},
+               {"id": "abc_2", "conversations": [{"from": "gpt", "value": "And it evicts by recency, mostly."},
+                                                 {"from": "human", "value": "Which policy is best?"},
+                                                 {"from": "gpt", "value": "It depends on the reuse pattern."}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(entries))
+    trace = load_trace(str(path), block_size=4)
+    assert trace.format == "sharegpt" and trace.skipped[0].startswith(f"{path}:record 1: needs id")
+    turns = by_session(trace)["abc"]  # parts 0 and 2 joined; the gpt-first part answers part 0
+    assert [t.transition for t in turns] == [FIRST, APPEND, APPEND]
+    assert turns[2].block_keys[: len(turns[1].block_keys)] == turns[1].block_keys
+
+
+def test_claude_code_shared_prefix_replaces_leading_local_ids(tmp_path: Path) -> None:
+    def request(t, ids, n_in, stop="tool_use", out=64):
+        return {"t": t, "type": "n", "model": "m", "in": n_in, "out": out, "hash_ids": ids, "stop": stop}
+
+    a = {"id": "a", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 128, "system_tokens": 100,
+         "requests": [request(0.0, [1, 2, 3, 4, 5], 330), request(5.0, [1, 2, 3, 4, 5, 6, 7], 451, "end_turn", 10),
+                      request(9.0, [1, 2, 9, 10], 260, ""),
+                      {"t": 10.0, "type": "subagent", "agent_id": "x1", "subagent_type": "Explore", "tool_tokens": 64,
+                       "system_tokens": 64, "requests": [request(0.0, [50, 51, 52], 200)]},
+                      {"t": 12.0, "type": "n", "hash_ids": "broken"}]}
+    b = {"id": "b", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 128, "system_tokens": 100,
+         "requests": [request(0.0, [1, 2, 3, 4], 260)]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    trace = load_trace(str(tmp_path))
+    assert trace.skipped == (f"{tmp_path / 'a.json'}:record 4: needs hash_ids: [int] and token counts in/out >= 0",)
+    s = by_session(trace)
+    a0, a1, a2 = s["a"]
+    (b0,) = s["b"]
+    assert b0.arrival_s == 60.0 and s["a/x1"][0].arrival_s == 10.0
+    assert a0.block_keys[:3] == b0.block_keys[:3]  # floor(228 / 64) = 3 shared blocks ...
+    assert a0.block_keys[3] != b0.block_keys[3]  # ... not the 4th (it holds session tokens); equal local ids
+    assert a2.block_keys[:2] == b0.block_keys[:2] and a2.block_keys[2] != b0.block_keys[2]  # diverged at 2
+    assert b0.transition is FORK and b0.block_types == (S, S, S, H)
+    assert a1.transition is STEP and a1.stop == "tool_use"
+    assert a1.block_types == (S, S, S, H, H, O, T)  # tokens 330-394 are a0's answer, then the tool result
+    assert a2.transition is FORK and a2.stop == "end_turn"
+    sub = s["a/x1"][0]
+    assert sub.transition is FIRST and sub.block_types[:2] == (S, S) and sub.block_keys[0] != a0.block_keys[0]
+    with pytest.raises(TraceError, match="a.json:record 4"):
+        load_trace(str(tmp_path), strict=True)
+
+
+# ---------------------------------------------------------------- malformed records, formats, errors
+
+
+def test_malformed_jsonl_lines_are_reported_with_their_line(tmp_path: Path) -> None:
+    good = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    lines = [json.dumps(good), "", "{broken", "[1, 2]", json.dumps({**good, "timestamp": -5}),
+             json.dumps({**good, "hash_ids": [1, True]}), json.dumps({**good, "timestamp": 2000})]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    trace = load_trace(str(path), format="mooncake")
+    assert len(trace.requests) == 2
+    assert [s.split(": ")[0] for s in trace.skipped] == [f"{path}:{n}" for n in (3, 4, 5, 6)]
+    assert trace.skipped[0] == f"{path}:3: not JSON (Expecting property name enclosed in double quotes)"
+    assert trace.skipped[1] == f"{path}:4: not a JSON object"
+    with pytest.raises(TraceError) as caught:
+        load_trace(str(path), strict=True)
+    assert str(caught.value) == trace.skipped[0]
+    assert len(load_trace(str(path), max_records=1).requests) == 1
+
+
+def test_malformed_csv_rows_and_json_files(tmp_path: Path) -> None:
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                   "yesterday,1,1\n2023-11-16 18:15:47.0000000,-3,1\n2023-11-16 18:15:48.1805900,16,2\n")
+    trace = load_trace(str(csv))
+    assert trace.format == "azure" and [len(r.block_keys) for r in trace.requests] == [24, 1]
+    assert [s.split(": ")[0] for s in trace.skipped] == [f"{csv}:3", f"{csv}:4"]
+    assert trace.requests[1].arrival_s == pytest.approx(1.5)
+    folder = tmp_path / "cc"
+    folder.mkdir()
+    (folder / "s1.json").write_text('{"requests": [], "hash_id_scope": "local", "block_size": 64}')
+    (folder / "s2.json").write_text('{"requests": [')
+    trace = load_trace(str(folder), format="claude-code")
+    assert len(trace.skipped) == 1 and trace.skipped[0].startswith(f"{folder / 's2.json'}:1: not JSON")
 
 
 def test_format_errors() -> None:
     with pytest.raises(TraceError, match="trace not found"):
         load_trace("/nonexistent/trace.jsonl")
-    with pytest.raises(TraceError, match="unknown trace format"):
+    with pytest.raises(TraceError, match="unknown trace format 'csv2'; choose auto or one of mooncake"):
         load_trace(str(FIXTURES / "lmsys.jsonl"), format="csv2")
     with pytest.raises(TraceError, match="cannot tell the format"):
         detect_format(__file__)
+    with pytest.raises(TraceError, match="positive"):
+        load_trace(str(FIXTURES / "lmsys.jsonl"), block_size=0)
+    with pytest.raises(TraceError, match="512-token blocks"):
+        load_trace(str(FIXTURES / "bailian.jsonl"), format="mooncake", block_size=16)
+    assert TRACE_FORMATS == ["mooncake", "bailian", "claude-code", "sharegpt", "swe-agent", "lmsys", "azure"]
 
 
-def test_hash_classifier_rules() -> None:
-    space = KeySpace()
-    c = HashTraceClassifier(block_size=16)
-    sys_prompt = space.chain_hash_ids([1, 2])
-    s1, t1, _ = c.classify(sys_prompt + space.chain_hash_ids([1, 2, 3])[2:], None, 16)
-    assert t1 is TransitionType.FIRST
-    first = space.chain_hash_ids([1, 2, 3])
-    s2, t2, types2 = c.classify(space.chain_hash_ids([1, 2, 3, 4, 5]), None, 16)
-    assert (s2, t2) == (s1, TransitionType.APPEND) and types2[3] is BlockType.OUTPUT and types2[4] is BlockType.HISTORY
-    s3, t3, types3 = c.classify(space.chain_hash_ids([1, 2, 9]), None, 16)
-    assert t3 is TransitionType.FORK and s3 != s1
-    _, _, types4 = c.classify(space.chain_hash_ids([1, 2, 10]), None, 16)
-    assert types4[0] is BlockType.SYSTEM  # blocks 1, 2 now seen in two sessions
-    _, t5, types5 = c.classify(first, "agent", 16, stop="tool_use")
-    _, t6, types6 = c.classify(space.chain_hash_ids([1, 2, 3, 7, 8]), "agent", 16)
-    assert t5 is TransitionType.FIRST and t6 is TransitionType.AGENT_STEP and types6[4] is BlockType.TOOL
+def test_auto_detection_of_fixtures() -> None:
+    assert detect_format(str(FIXTURES / "bailian.jsonl")) == "bailian"
+    assert detect_format(str(FIXTURES / "lmsys.jsonl")) == "lmsys"
 
 
-def test_block_type_is_the_majority_role() -> None:
-    toks = [BlockType.SYSTEM] * 3 + [BlockType.HISTORY] * 5 + [BlockType.OUTPUT] * 2
-    assert block_types_from_roles(toks, 4) == (BlockType.SYSTEM, BlockType.HISTORY)
+# ---------------------------------------------------------------- classification rules
+
+
+def chain(*ids: int) -> tuple:
+    return tuple(KeySpace().chain_hash_ids(ids))
+
+
+def test_inferred_sessions_first_append_fork() -> None:
+    c = PrefixClassifier(16)
+    one = c.label(chain(1, 2, 3), input_tokens=48, output_tokens=16)
+    assert one.transition is FIRST and one.block_types == (H, H, H)
+    two = c.label(chain(1, 2, 3, 4, 5), input_tokens=80)
+    assert (two.session, two.transition) == (one.session, APPEND)
+    assert two.block_types == (H, H, H, O, H)  # tokens 48-64 are the previous answer
+    fork = c.label(chain(1, 2, 9), input_tokens=48)
+    assert fork.transition is FORK and fork.session != one.session
+    assert fork.block_types == (S, S, H)  # seen before in another session
+    assert c.label(chain(7), input_tokens=16).transition is FIRST
+    partial = c.label(chain(20, 21), input_tokens=20)  # one full block, then a partial one
+    grown = c.label(chain(20, 22, 23), input_tokens=48)  # the partial block was rewritten
+    assert (grown.session, grown.transition) == (partial.session, APPEND)
+
+
+def test_explicit_sessions_agent_steps_and_system_blocks() -> None:
+    c = PrefixClassifier(16)
+    a1 = c.label(chain(1, 2), "a", input_tokens=32, output_tokens=16, stop="tool_use")
+    a2 = c.label(chain(1, 2, 3, 4), "a", input_tokens=64, output_tokens=4)
+    assert a1.transition is FIRST and a2.transition is STEP and a2.stop_before == "tool_use"
+    assert a2.block_types == (H, H, O, T)  # answer, then the tool result
+    a3 = c.label(chain(1, 2, 3, 4, 5), "a", input_tokens=80)
+    assert a3.transition is APPEND and a3.block_types == (H, H, O, T, H)  # seen blocks keep their type
+    b1 = c.label(chain(1, 2, 8), "b", input_tokens=48)
+    assert b1.transition is FORK and b1.block_types == (S, S, H)
+    a4 = c.label(chain(1, 2, 3, 4, 5, 6), "a", input_tokens=96)
+    assert a4.transition is APPEND and a4.block_types[:3] == (S, S, O)  # now shared with b
+    assert c.label(chain(1, 2, 99), "a", input_tokens=48).transition is FORK
+    assert c.label(chain(30), "a", input_tokens=16).transition is FIRST  # starts over
+    c.label(chain(30, 31, 32), "c", input_tokens=48)
+    assert c.label(chain(30, 31, 40, 41), "c", input_tokens=64).transition is APPEND  # last block re-tokenized
+    agent = PrefixClassifier(16, agent=True)
+    agent.label(chain(1), "x", input_tokens=16)
+    assert agent.label(chain(50), "x", input_tokens=16).transition is STEP
+    assert c.label(chain(60, 61), "d", known=(O, T)).block_types == (O, T)
+
+
+def test_block_type_is_the_majority_of_its_tokens() -> None:
+    spans = [(S, 3), (H, 5), (O, 2), (T, 6), (H, 1)]
+    assert majority_block_types(spans, 4) == [S, H, O, T]  # block 2 is OOTT: a tie goes to the earliest
+    assert majority_block_types([(S, 2), (H, 2), (O, 33)], 4) == [S] + [O] * 8
+    assert majority_block_types([(H, 3)], 4) == []
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@needs_tokenizer
+def test_offline_tokenizer_is_mistral_32k() -> None:
+    from kvcluster.tokenizer import load_fast_tokenizer, load_tokenizer
+
+    tok = load_tokenizer()
+    assert len(tok) == 32000 and tok("Hello world")["input_ids"] == [1, 22557, 1526]
+    assert load_fast_tokenizer().get_vocab_size() == 32000
+
+
+def test_missing_tokenizer_says_how_to_set_it_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcluster.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("KVCLUSTER_TOKENIZER_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="fetch_tokenizer.py"):
+        load_tokenizer()

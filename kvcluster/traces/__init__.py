@@ -1,38 +1,53 @@
-"""Trace loaders: `load_trace(path, format="auto")` for every supported format."""
+"""Trace loaders: `load_trace(path, format="auto")` for every supported format.
+
+Each loader (one module per format) reads one format into a `Trace` of
+`TraceRequest`s with prefix-chained block keys, block types and transitions
+(classify.py). Malformed records are skipped and listed in `Trace.skipped`;
+strict=True raises TraceError on the first.
+"""
 
 from __future__ import annotations
 
 from ..errors import TraceError
 from .azure import AzureLoader
-from .base import Trace, TraceRequest
-from .chat import LMSYSLoader, ShareGPTLoader, SWEAgentLoader
+from .bailian import BailianLoader
+from .base import Trace, TraceLoader, TraceRequest
 from .claude_code import ClaudeCodeLoader
-from .hashed import BailianLoader, MooncakeLoader
-from .records import require_file
+from .lmsys import LMSYSLoader
+from .mooncake import MooncakeLoader
+from .records import require_path
+from .sharegpt import ShareGPTLoader
+from .swe_agent import SWEAgentLoader
 
-LOADERS = {
+TRACE_FORMATS: list[str] = ["mooncake", "bailian", "claude-code", "sharegpt", "swe-agent", "lmsys", "azure"]
+# Sniffed in this order: the most specific markers first.
+LOADERS: dict[str, TraceLoader] = {
     loader.format: loader
-    for loader in (MooncakeLoader(), BailianLoader(), ClaudeCodeLoader(), ShareGPTLoader(), LMSYSLoader(),
-                   SWEAgentLoader(), AzureLoader())
+    for loader in (ClaudeCodeLoader(), SWEAgentLoader(), BailianLoader(), MooncakeLoader(), LMSYSLoader(),
+                   ShareGPTLoader(), AzureLoader())
 }
-TRACE_FORMATS = ["auto", *LOADERS]
 
 
 def detect_format(path: str) -> str:
-    require_file(path)
+    """The first format whose loader recognises the file (or directory)."""
+    require_path(path)
     for name, loader in LOADERS.items():
         if loader.sniff(path):
             return name
-    raise TraceError(f"cannot tell the format of {path}; pass --format ({', '.join(LOADERS)})")
+    raise TraceError(f"cannot tell the format of {path}; pass a format: {', '.join(TRACE_FORMATS)}")
 
 
 def load_trace(path: str, format: str = "auto", block_size: int | None = None, strict: bool = False,
                max_records: int | None = None) -> Trace:
-    """Load a trace file or directory; malformed records are skipped (listed in Trace.skipped)."""
+    """Load a trace file or directory. `max_records` (None = all) caps the records read
+    (lines; session files for claude-code, trajectories for swe-agent)."""
     if format != "auto" and format not in LOADERS:
-        raise TraceError(f"unknown trace format {format!r}; choose from {', '.join(TRACE_FORMATS)}")
+        raise TraceError(f"unknown trace format {format!r}; choose auto or one of {', '.join(TRACE_FORMATS)}")
+    if block_size is not None and block_size <= 0:
+        raise TraceError(f"block_size must be a positive number of tokens, not {block_size}")
     name = detect_format(path) if format == "auto" else format
-    return LOADERS[name].load(path, block_size=block_size, strict=strict, max_records=max_records)
+    require_path(path)
+    return LOADERS[name].load(str(path), block_size=block_size, strict=strict, max_records=max_records)
 
 
 __all__ = ["LOADERS", "TRACE_FORMATS", "Trace", "TraceRequest", "detect_format", "load_trace"]

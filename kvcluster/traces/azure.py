@@ -1,8 +1,10 @@
-"""Azure LLM inference traces (Splitwise): arrival times and token counts only.
+"""Azure LLM inference traces 2023 (Splitwise): CSV of TIMESTAMP, ContextTokens, GeneratedTokens.
 
-There are no prefix hashes or text, so every request gets its own unique blocks
-(ceil(ContextTokens / block size) keys in a per-request namespace): useful for
-arrival processes and lengths, never for hit rates.
+For arrival processes and lengths only. There are no prefix hashes and no text,
+so each request gets ceil(ContextTokens / block_size) blocks of its own (a
+namespace per request: the CSV line) and never shares one; its hit rate is 0 by
+construction. Block size defaults to 16 tokens. Times are seconds since the
+earliest row.
 """
 
 from __future__ import annotations
@@ -14,41 +16,46 @@ from pathlib import Path
 from ..block_types import BlockType, TransitionType
 from ..keys import KeySpace
 from .base import Trace, TraceRequest
-from .records import Problems, require_file
+from .records import Problems, head_text, require_file
+
+DEFAULT_BLOCK_SIZE = 16
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 class AzureLoader:
     format = "azure"
-    default_block_size = 16
 
     def sniff(self, path: str) -> bool:
         p = Path(path)
-        if not p.is_file() or p.suffix.lower() != ".csv":
-            return False
-        with open(p, errors="replace") as f:
-            return "ContextTokens" in f.readline()
+        header = head_text(p, 4096).partition("\n")[0] if p.is_file() else ""
+        return all(c in header for c in COLUMNS)
 
-    def load(self, path: str, *, block_size: int | None = None, strict: bool = False, **_) -> Trace:
-        p = require_file(path)
-        bs = block_size or self.default_block_size
+    def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
+             max_records: int | None = None) -> Trace:
+        p = require_file(path, self.format)
+        bs = block_size or DEFAULT_BLOCK_SIZE
         problems = Problems(strict)
         space = KeySpace(model=f"trace:{self.format}")
-        requests, t0 = [], None
-        with open(p, newline="", errors="replace") as f:
-            reader = csv.DictReader(f)
-            for line, row in enumerate(reader, start=2):
+        rows = []
+        with open(p, newline="", encoding="utf-8", errors="replace") as f:
+            for line, row in enumerate(csv.DictReader(f), start=2):
+                if max_records is not None and len(rows) >= max_records:
+                    break
                 try:
-                    ts = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+                    when = datetime.fromisoformat(row["TIMESTAMP"].strip())
                     ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
                     if ctx < 0 or gen < 0:
                         raise ValueError("negative token count")
-                except (KeyError, TypeError, ValueError) as exc:
-                    problems.report(f"{p}:{line}", f"bad row ({exc})")
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    problems.report(f"{p}:{line}", f"needs TIMESTAMP, ContextTokens, GeneratedTokens ({exc})")
                     continue
-                t0 = ts if t0 is None else t0
-                n = -(-ctx // bs)
-                keys = tuple(space.chain_hash_ids([f"{line}:{j}" for j in range(n)]))
-                requests.append(TraceRequest(ts - t0, str(line), keys, (BlockType.HISTORY,) * n,
-                                             TransitionType.FIRST, ctx, gen))
-        requests.sort(key=lambda r: r.arrival_s)
+                rows.append((when, line, ctx, gen))
+        start = min((r[0] for r in rows), default=None)
+        requests = []
+        for when, line, ctx, gen in sorted(rows, key=lambda r: r[0]):
+            n = -(-ctx // bs)
+            name = f"request:{line}"
+            keys = tuple(space.chain_hash_ids(range(n), cache_salt=name))
+            requests.append(TraceRequest((when - start).total_seconds(), name, keys, (BlockType.HISTORY,) * n,
+                                         TransitionType.FIRST, ctx, gen, tenant=name))
         return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))

@@ -48,14 +48,17 @@ class Trace:
 
 
 class TraceLoader(Protocol):
-    """A loader reads one format. Malformed records are skipped and reported with
-    their line (or record) number; with strict=True the first raises TraceError."""
+    """A loader reads one format. Malformed records are skipped and reported as
+    "path:LINE: reason" (1-based line; "path:record N" inside a JSON document);
+    with strict=True the first raises TraceError with that message.
+    `max_records` (None = all) caps the records read, for quick looks at big files."""
 
     format: str
 
     def sniff(self, path: str) -> bool: ...
 
-    def load(self, path: str, *, block_size: int | None = None, strict: bool = False) -> Trace: ...
+    def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
+             max_records: int | None = None) -> Trace: ...
 
 
 def iter_keys(trace: Trace) -> Iterator[BlockKey]:
