@@ -23,6 +23,10 @@ from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
 from .slab import SlotTable
 
 
+class PeerUnavailable(StorageError):
+    """The pool's owner cannot be reached (its node left, its actor is restarting)."""
+
+
 def _agent(name: str):
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -80,6 +84,19 @@ class NixlPeerPool:
 
     def release(self, keys: list[bytes]) -> int:
         return sum(self.table.release(BlockKey(k)) for k in keys)
+
+    def put_local(self, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
+        """The owner stores blocks into its own slab (they become readable by every peer)."""
+        ok = []
+        host = self.pool.numpy()
+        for key, data in zip(keys, payloads):
+            view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            slot = self.table.allocate(BlockKey(key)) if view.nbytes <= self.slot_bytes else None
+            if slot is not None:
+                host[slot, : view.nbytes] = view
+                self.table.commit(BlockKey(key), slot, view.nbytes, checksum(view))
+            ok.append(slot is not None)
+        return ok
 
     def usage(self) -> int:
         """Bytes of slots holding committed blocks."""
@@ -142,7 +159,10 @@ class RDMABackend(StorageBackend):
         keys = [bytes(k) for k, _ in items]
         ok = [False] * len(items)
         for lo, hi in self._batches([v.nbytes for v in views]):
-            slots = self.peer.reserve(keys[lo:hi], [v.nbytes for v in views[lo:hi]])
+            try:
+                slots = self.peer.reserve(keys[lo:hi], [v.nbytes for v in views[lo:hi]])
+            except PeerUnavailable:
+                break
             picked = [i for i, s in zip(range(lo, hi), slots) if s is not None]
             local, off = [], 0
             for i in picked:
@@ -161,7 +181,11 @@ class RDMABackend(StorageBackend):
         return ok
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
-        entries = self.peer.lookup([bytes(k) for k in keys])
+        try:
+            entries = self.peer.lookup([bytes(k) for k in keys])
+        except PeerUnavailable:  # the peer's memory is gone or unreachable: all misses
+            self._stats.misses += len(keys)
+            return [None] * len(keys)
         results: list[np.ndarray | None] = [None] * len(keys)
         found = [i for i, e in enumerate(entries) if e is not None]
         self._stats.misses += len(keys) - len(found)
@@ -190,7 +214,10 @@ class RDMABackend(StorageBackend):
         return results
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [e is not None for e in self.peer.lookup([bytes(k) for k in keys])]
+        try:
+            return [e is not None for e in self.peer.lookup([bytes(k) for k in keys])]
+        except PeerUnavailable:
+            return [False] * len(keys)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         n = self.peer.release([bytes(k) for k in keys])

@@ -1,0 +1,83 @@
+"""Several Ray nodes on one machine (ray.cluster_utils.Cluster): cross-node reads over NIXL, node loss."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
+from actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
+from kvcluster.keys import KeySpace  # noqa: E402
+
+KEYS = [bytes(k) for k in KeySpace(model="multinode").chain_hash_ids(list(range(4)))]
+pytestmark = pytest.mark.slow
+
+
+def pinned(node_id: str):
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    tmp = tempfile.mkdtemp(prefix="kvc", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = tmp  # short socket paths, and nothing shared with other Ray instances
+    node_args = {"object_store_memory": 128 << 20}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1},
+                                                     "include_dashboard": False, **node_args})
+    node_a = c.add_node(num_cpus=1, resources={"node_a": 1}, **node_args)
+    node_b = c.add_node(num_cpus=1, resources={"node_b": 1}, **node_args)
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c, node_a, node_b, tmp
+    ray.shutdown()
+    c.shutdown()
+
+
+def wait_for(fn, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not reached")
+
+
+def test_a_block_written_on_a_is_read_from_b_over_nixl_and_pfs_outlives_its_node(cluster) -> None:
+    c, node_a, node_b, tmp = cluster
+    head_id = ray.get_runtime_context().get_node_id()
+    index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
+    pool_a = PeerPoolActor.options(name="kvcluster/a/pool", scheduling_strategy=pinned(node_a.node_id)).remote(
+        "a", 8, 1 << 16)
+    data = [np.random.default_rng(i).integers(0, 255, 1 << 15, dtype=np.uint8) for i in range(len(KEYS))]
+    assert ray.get(pool_a.put_local.remote(KEYS, data)) == [True] * 4
+    rdma_b = RdmaTierActor.options(scheduling_strategy=pinned(node_b.node_id)).remote("b", "a", 1 << 18, 8)
+    got = ray.get(rdma_b.get_many.remote(KEYS))
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # bytes crossed nodes through NIXL
+    assert ray.get(index.longest_prefix.remote(KEYS)).best_node() == "a"
+
+    pfs_cfg = TierActorConfig(node="a", tier="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs"))
+    pfs_a = TierActor.options(scheduling_strategy=pinned(node_a.node_id)).remote(pfs_cfg.model_dump())
+    assert ray.get(pfs_a.put_many.remote(KEYS, data)) == [True] * 4
+
+    c.remove_node(node_a)  # node A and everything in its memory is gone
+    ray.get(index.lost.remote("a", "dram"))
+    pfs_b = TierActor.options(scheduling_strategy=pinned(node_b.node_id)).remote(
+        TierActorConfig(node="b", tier="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs")).model_dump())
+    got = ray.get(pfs_b.get_many.remote(KEYS))
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # the shared filesystem still serves them
+    assert ray.get(rdma_b.get_many.remote(KEYS), timeout=60) == [None] * 4  # A's memory is gone: misses
