@@ -18,10 +18,14 @@ def start_global_actors(checkpoint_dir: str, namespace: str = NAMESPACE):
     return index, predictor
 
 
-def start_tier_actor(config: TierActorConfig, node_id: str, namespace: str = NAMESPACE):
-    """A tier actor pinned to the Ray node `node_id` (hex), named kvcluster/<node>/<tier>."""
+def start_tier_actor(config: TierActorConfig, node_id: str, namespace: str = NAMESPACE, detached: bool = False):
+    """A tier actor pinned to the Ray node `node_id` (hex), named kvcluster/<node>/<tier>.
+
+    Detached actors (the CLI's) outlive the process that started them; an existing one is reused.
+    """
     return TierActor.options(
         name=actor_name(config.node, config.tier),
         namespace=namespace,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        **({"lifetime": "detached", "get_if_exists": True} if detached else {}),
     ).remote(config.model_dump())

@@ -17,8 +17,8 @@ class IndexActor:
     def __init__(self) -> None:
         self.index = BlockIndex()
 
-    def stored(self, node: str, tier: str, keys: list[bytes]) -> None:
-        self.index.stored(node, tier, keys)
+    def stored(self, node: str, tier: str, keys: list[bytes], pairs: list[int] | None = None) -> None:
+        self.index.stored(node, tier, keys, pairs)
 
     def removed(self, node: str, tier: str, keys: list[bytes]) -> None:
         self.index.removed(node, tier, keys)
@@ -31,3 +31,9 @@ class IndexActor:
 
     def occupancy(self) -> dict:
         return self.index.occupancy()
+
+    def placement_view(self, default_pair: int) -> tuple[dict, dict]:
+        """Holdings per (node, tier) and each held key's pair, in one call."""
+        holdings = self.index.holdings()
+        keys = {k for ks in holdings.values() for k in ks}
+        return holdings, dict(zip(keys, self.index.pairs_of(keys, default_pair)))

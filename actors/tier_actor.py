@@ -54,11 +54,12 @@ class TierActor:
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.index.lost.remote(self.cfg.node, self.cfg.tier)
 
-    def put_many(self, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
+    def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None) -> list[bool]:
         ok = self.backend.put_many(list(zip(keys, payloads)))
         stored = [k for k, good in zip(keys, ok) if good]
         if stored:
-            self.index.stored.remote(self.cfg.node, self.cfg.tier, stored)
+            kept = None if pairs is None else [p for p, good in zip(pairs, ok) if good]
+            self.index.stored.remote(self.cfg.node, self.cfg.tier, stored, kept)
         return ok
 
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
@@ -75,3 +76,9 @@ class TierActor:
 
     def stats(self) -> dict:
         return self.backend.stats()
+
+    def describe(self) -> dict:
+        """Where this tier is and how many blocks it can hold (the placement controller's capacity)."""
+        return {"node": self.cfg.node, "tier": self.cfg.tier,
+                "capacity_blocks": self.backend.capacity_bytes // self.cfg.slot_bytes,
+                "used_blocks": self.backend.used_bytes // self.cfg.slot_bytes}

@@ -37,13 +37,19 @@ class BlockIndex:
     def __init__(self) -> None:
         self._where: dict[BlockKey, set[Location]] = {}
         self._by_location: dict[Location, set[BlockKey]] = defaultdict(set)
+        self._pair: dict[BlockKey, int] = {}  # (block type, transition) pair, for the placement controller
 
-    def stored(self, node: str, tier: str, keys: Iterable[BlockKey]) -> None:
+    def stored(self, node: str, tier: str, keys: Iterable[BlockKey], pairs: Sequence[int] | None = None) -> None:
         loc = (node, tier)
         bucket = self._by_location[loc]
+        keys = list(keys)
         for key in keys:
             self._where.setdefault(key, set()).add(loc)
             bucket.add(key)
+        if pairs is not None:
+            if len(pairs) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(pairs)} pairs")
+            self._pair.update(zip(keys, pairs))
 
     def removed(self, node: str, tier: str, keys: Iterable[BlockKey]) -> None:
         loc = (node, tier)
@@ -55,6 +61,7 @@ class BlockIndex:
                 places.discard(loc)
                 if not places:
                     del self._where[key]
+                    self._pair.pop(key, None)
 
     def lost(self, node: str, tier: str | None = None) -> int:
         """A tier actor restarted empty, or a node left: forget what it held."""
@@ -75,6 +82,13 @@ class BlockIndex:
                 break
             locations.append(tuple(sorted(places, key=lambda loc: (order(loc[1]), loc[0]))))
         return PrefixMatch(len(locations), tuple(locations))
+
+    def holdings(self) -> dict[Location, list[BlockKey]]:
+        """Every (node, tier) and the keys it holds: the placement controller's view."""
+        return {loc: list(keys) for loc, keys in self._by_location.items() if keys}
+
+    def pairs_of(self, keys: Iterable[BlockKey], default: int) -> list[int]:
+        return [self._pair.get(k, default) for k in keys]
 
     def occupancy(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = defaultdict(dict)

@@ -221,8 +221,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Later modules (replay, serve, cluster) add their subcommands here.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from .cluster_config import load_cluster_config
+
+    cfg = load_cluster_config(args.config)  # a bad file fails here, before Ray starts
+    from actors import cluster  # Ray only for this command
+
+    cluster.connect(args.address)
+    if args.action == "up":
+        result = cluster.up(cfg, args.placement_period_s)
+        text = f"started {len(result['tiers'])} tier actors ({', '.join(result['tiers'])}); " \
+               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and placement loop running"
+    elif args.action == "down":
+        result = {"killed": cluster.down(cfg)}
+        text = f"stopped {len(result['killed'])} actors (files on nvme and pfs are kept)"
+    else:
+        result = cluster.status(cfg)
+        rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
+                for r in result["tiers"]]
+        text = _table(rows, ["node", "tier", "state", "blocks", "capacity"])
+        if result.get("placement"):
+            text += "\nplacement: " + ", ".join(f"{k} {v}" for k, v in sorted(result["placement"].items()))
+    print(json.dumps(result) if args.json else text)
+    return 0
+
+
+def _register_cluster(sub: argparse._SubParsersAction) -> None:
+    cl = sub.add_parser("cluster", help="start, inspect or stop the cache actors on a running Ray cluster")
+    cl.add_argument("action", choices=["up", "status", "down"])
+    cl.add_argument("config", help="a cluster YAML (path, or a name under configs/cluster)")
+    cl.add_argument("--address", default="auto", help="Ray cluster address (default: the running one)")
+    cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0,
+                    help="seconds between placement rounds (up)")
+    cl.add_argument("--json", action="store_true", help="print one JSON object")
+    cl.set_defaults(func=_cmd_cluster)
+
+
+# Later modules (serve) add their subcommands here.
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_cluster]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

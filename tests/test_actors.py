@@ -93,3 +93,23 @@ def _try(fn):
         return fn() or True
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return None
+
+
+def test_placement_controller_spills_a_full_tier_without_losing_a_block(cluster_actors) -> None:
+    from actors.placement_actor import PlacementController
+
+    index, _, dram, pfs = cluster_actors
+    keys = [bytes(k) for k in KeySpace(model="placement").chain_hash_ids(list(range(8)))]
+    assert ray.get(dram.put_many.remote(keys, [payload(40 + i) for i in range(8)])) == [True] * 8
+    wait_for(lambda: ray.get(index.longest_prefix.remote(keys)).length == 8)
+    controller = PlacementController.remote([("n0", "dram"), ("n0", "pfs")],
+                                            {"high_water": 0.8, "low_water": 0.5, "promote_above": 1.0})
+    done = ray.get(controller.step.remote())
+    assert done["spill"] == 4 and done["planned"] == 4  # 8 of 8 slots -> 4 (low water), the rest to pfs
+    match = wait_for(lambda: (m := ray.get(index.longest_prefix.remote(keys))).length == 8
+                     and sum(("n0", "pfs") in locs and ("n0", "dram") not in locs for locs in m.locations) == 4 and m)
+    assert match.length == 8  # every block still held somewhere
+    got = ray.get(dram.get_many.remote(keys))
+    from_pfs = ray.get(pfs.get_many.remote([k for k, g in zip(keys, got) if g is None]))
+    assert len(from_pfs) == 4 and all(p is not None for p in from_pfs)
+    assert ray.get(controller.step.remote()) == {"planned": 0}  # idempotent: nothing left to do

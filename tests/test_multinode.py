@@ -81,3 +81,47 @@ def test_a_block_written_on_a_is_read_from_b_over_nixl_and_pfs_outlives_its_node
     got = ray.get(pfs_b.get_many.remote(KEYS))
     assert all(np.array_equal(g, d) for g, d in zip(got, data))  # the shared filesystem still serves them
     assert ray.get(rdma_b.get_many.remote(KEYS), timeout=60) == [None] * 4  # A's memory is gone: misses
+
+
+def test_cluster_cli_starts_reports_and_stops_the_actors(cluster, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    c, _, node_b, tmp = cluster
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"""
+model: kvcluster-tiny-llama
+checkpoint_dir: {tmp}/cli/predictor
+nodes:
+  - name: cli-head
+    tiers: [{{tier: dram, capacity_gib: 0.01}}]
+  - name: cli-b
+    ray_resource: node_b
+    tiers: [{{tier: dram, capacity_gib: 0.01}}, {{tier: pfs, capacity_gib: 0.02, path: {tmp}/cli/pfs}}]
+""")
+
+    def cli(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "kvcluster.cli", "cluster", *args, str(cfg), "--address",
+                              c.address, "--json"], capture_output=True, text=True, timeout=120, env=os.environ)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert len(cli("up")["tiers"]) == 3
+    status = cli("status")
+    assert [(r["node"], r["tier"], r["state"], r["capacity_blocks"]) for r in status["tiers"]] == [
+        ("cli-head", "dram", "running", 81), ("cli-b", "dram", "running", 81), ("cli-b", "pfs", "running", 163)]
+    b_dram = ray.get_actor("kvcluster/cli-b/dram", namespace=NAMESPACE)
+    assert ray.get(b_dram.put_many.remote(KEYS[:2], [np.zeros(131072, np.uint8)] * 2)) == [True, True]
+    assert wait_for(lambda: cli("status")["tiers"][1]["used_blocks"] == 2)
+    assert "kvcluster/cli-b/pfs" in cli("down")["killed"]
+    assert all(r["state"] == "absent" for r in cli("status")["tiers"])
+
+
+def test_cluster_cli_names_the_bad_field(tmp_path, capsys) -> None:
+    from kvcluster.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\nnodes: [{name: n0, tiers: [{tier: tape, capacity_gib: 1}]}]\n")
+    assert main(["cluster", "up", str(bad)]) == 2
+    assert "field nodes.0.tiers.0.tier" in capsys.readouterr().err

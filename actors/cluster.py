@@ -1,0 +1,93 @@
+"""`kvcluster cluster up|status|down`: the cache actors on a running Ray cluster, from a cluster YAML."""
+
+from __future__ import annotations
+
+import ray
+
+from kvcluster.cluster_config import ClusterConfig, NodeEntry
+from kvcluster.errors import ConfigError
+
+from .deploy import start_global_actors, start_tier_actor
+from .index_actor import INDEX_NAME, NAMESPACE
+from .placement_actor import PLACEMENT_NAME, PlacementController
+from .predictor_actor import PREDICTOR_NAME
+from .tier_actor import TierActorConfig, actor_name
+
+
+def connect(address: str) -> None:
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def _ray_node_id(node: NodeEntry, alive: list[dict]) -> str:
+    key = node.ray_resource or "node:__internal_head__"
+    for n in alive:
+        if n["Resources"].get(key, 0) > 0:
+            return n["NodeID"]
+    raise ConfigError(f"node {node.name!r}: no live Ray node has the resource {key!r}")
+
+
+def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
+    """Start (or find) the index, predictor, every tier actor and the placement loop; idempotent."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
+    start_global_actors(cfg.checkpoint_dir)
+    slot_bytes = cfg.block_bytes()
+    started, tiers = [], []
+    for node in cfg.nodes:
+        for t in node.tiers:
+            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path)
+            start_tier_actor(tc, pinned[node.name], detached=True)
+            started.append(actor_name(node.name, t.tier))
+            tiers.append((node.name, t.tier))
+    controller = PlacementController.options(name=PLACEMENT_NAME, namespace=NAMESPACE, lifetime="detached",
+                                             get_if_exists=True).remote(tiers, cfg.placement.model_dump())
+    ray.get(controller.start.remote(placement_period_s), timeout=60)
+    return {"tiers": started, "block_bytes": slot_bytes}
+
+
+def status(cfg: ClusterConfig) -> dict:
+    """Per node and tier: blocks held and capacity (from the tier actors), plus index totals."""
+    rows, refs = [], []
+    for node in cfg.nodes:
+        for t in node.tiers:
+            try:
+                actor = ray.get_actor(actor_name(node.name, t.tier), namespace=NAMESPACE)
+            except ValueError:
+                rows.append({"node": node.name, "tier": t.tier, "state": "absent"})
+                continue
+            rows.append({"node": node.name, "tier": t.tier, "state": "running"})
+            refs.append((rows[-1], actor.describe.remote()))
+    for row, ref in refs:
+        try:
+            d = ray.get(ref, timeout=30)
+            row.update(used_blocks=d["used_blocks"], capacity_blocks=d["capacity_blocks"])
+        except ray.exceptions.RayError as exc:
+            row["state"] = f"unavailable ({type(exc).__name__})"
+    out: dict = {"tiers": rows}
+    try:
+        out["index"] = ray.get(ray.get_actor(INDEX_NAME, namespace=NAMESPACE).occupancy.remote(), timeout=30)
+        out["placement"] = ray.get(ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE).totals_so_far.remote(),
+                                   timeout=30)
+    except ValueError:
+        out["index"] = None
+    return out
+
+
+def down(cfg: ClusterConfig) -> list[str]:
+    """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
+    names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
+    names += [PLACEMENT_NAME, PREDICTOR_NAME, INDEX_NAME]
+    killed = []
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue
+        if name == PLACEMENT_NAME:
+            ray.get(actor.stop.remote(), timeout=60)
+        if name == PREDICTOR_NAME:
+            ray.get(actor.checkpoint.remote(), timeout=60)  # posteriors outlive the actor
+        ray.kill(actor, no_restart=True)
+        killed.append(name)
+    return killed

@@ -1,0 +1,82 @@
+"""Cluster layout for the cache actors: which Ray node runs which tiers, sized in bytes.
+
+`kvcluster cluster up` reads this. Tier capacities are given in GiB and turned
+into block slots with the sizing engine's block payload for the model, so a
+tier holds exactly as many blocks as its bytes allow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+from .model_spec import load_model_spec
+from .paths import configs_dir
+from .placement import PlacementConfig
+from .storage.layout import layout_for
+
+
+class TierEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tier: Literal["dram", "cxl", "nvme", "pfs"]
+    capacity_gib: float = Field(gt=0)
+    path: str | None = Field(None, description="Directory (nvme: local to the node; pfs: shared by all nodes).")
+
+
+class NodeEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Name in actor names and the index.")
+    ray_resource: str | None = Field(None, description="Custom resource that marks the Ray node; none: the head.")
+    tiers: list[TierEntry] = Field(min_length=1)
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="A name under configs/models or a config path: sizes the blocks.")
+    block_tokens: int = Field(16, gt=0)
+    dtype: str | None = None
+    checkpoint_dir: str = Field(description="Where the predictor checkpoints (on the shared filesystem).")
+    nodes: list[NodeEntry] = Field(min_length=1)
+    placement: PlacementConfig = PlacementConfig()
+
+    def block_bytes(self) -> int:
+        return layout_for(load_model_spec(self.model), self.block_tokens, self.dtype).nbytes()
+
+    def slots(self, tier: TierEntry) -> int:
+        n = int(tier.capacity_gib * (1 << 30)) // self.block_bytes()
+        if n < 1:
+            raise ConfigError(f"tier {tier.tier} ({tier.capacity_gib} GiB) holds no {self.block_bytes()}-byte block")
+        return n
+
+
+def load_cluster_config(name_or_path: str) -> ClusterConfig:
+    """Read and validate a cluster YAML; errors name the file and the field."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = configs_dir() / "cluster" / f"{name_or_path}.yaml"
+        if not shipped.is_file():
+            names = ", ".join(sorted(p.stem for p in (configs_dir() / "cluster").glob("*.yaml")))
+            raise ConfigError(f"unknown cluster file {name_or_path!r}: not a file, and not one of: {names}")
+        path = shipped
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"malformed cluster file {path}: {exc}".replace("\n", " ")) from None
+    try:
+        cfg = ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise ConfigError(f"{path}: field {where}: {first['msg']}") from None
+    for node in cfg.nodes:
+        for t in node.tiers:
+            if t.tier in ("nvme", "pfs") and not t.path:
+                raise ConfigError(f"{path}: field nodes.{node.name}.{t.tier}.path: the {t.tier} tier needs a path")
+    return cfg
