@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from .config_files import load_yaml_model
 from .errors import ConfigError
 from .model_spec import load_model_spec
 from .paths import configs_dir
@@ -65,16 +65,7 @@ def load_cluster_config(name_or_path: str) -> ClusterConfig:
             names = ", ".join(sorted(p.stem for p in (configs_dir() / "cluster").glob("*.yaml")))
             raise ConfigError(f"unknown cluster file {name_or_path!r}: not a file, and not one of: {names}")
         path = shipped
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"malformed cluster file {path}: {exc}".replace("\n", " ")) from None
-    try:
-        cfg = ClusterConfig.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise ConfigError(f"{path}: field {where}: {first['msg']}") from None
+    cfg = load_yaml_model(path, ClusterConfig, "cluster")
     for node in cfg.nodes:
         for t in node.tiers:
             if t.tier in ("nvme", "pfs") and not t.path:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .config_files import load_yaml_model
 from .errors import ConfigError
 from .paths import configs_dir
 
@@ -98,14 +98,4 @@ def resolve_tiers_path(name_or_path: str) -> Path:
 
 def load_node_tiers(name_or_path: str) -> NodeTiers:
     """Read and validate a tiers YAML; errors name the file and the field."""
-    path = resolve_tiers_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"malformed tiers file {path}: {exc}".replace("\n", " ")) from None
-    try:
-        return NodeTiers.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise ConfigError(f"{path}: field {where}: {first['msg']}") from None
+    return load_yaml_model(resolve_tiers_path(name_or_path), NodeTiers, "tiers")
