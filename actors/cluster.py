@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import ray
 
 from kvcluster.cluster_config import ClusterConfig, NodeEntry
-from kvcluster.errors import ConfigError
+from kvcluster.errors import ConfigError, KvclusterError
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE
@@ -14,9 +16,24 @@ from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
 
+class ClusterUnreachable(KvclusterError):
+    """No Ray cluster answers at the given address."""
+
+
 def connect(address: str) -> None:
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit():  # an explicit GCS address: fail in seconds, not after Ray's long retry loop
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as exc:
+            raise ClusterUnreachable(f"no Ray cluster at --address {address!r}: {exc.strerror or exc}") from None
+    try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ClusterUnreachable(f"no Ray cluster at --address {address!r}: {first}") from None
 
 
 def _ray_node_id(node: NodeEntry, alive: list[dict]) -> str:

@@ -58,6 +58,13 @@ class PlacementController:
         snap: PredictorSnapshot = ray.get(snap_ref, timeout=30)
         capacity = {(d["node"], d["tier"]): d["capacity_blocks"] for d in described}
         migrations, self._pending = self._pending, []
+        try:
+            return self._carry_out(actors, holdings, pairs, snap, capacity, migrations)
+        except BaseException:
+            self._pending = migrations + self._pending  # a failed round loses no requested migration
+            raise
+
+    def _carry_out(self, actors, holdings, pairs, snap, capacity, migrations) -> dict:
         moves = plan_moves({loc: ks for loc, ks in holdings.items() if loc in capacity}, capacity,
                            lambda k: snap.p_reuse(pairs.get(k, DEFAULT_PAIR)), self.cfg, migrations)
         done: Counter = Counter()
@@ -94,7 +101,7 @@ class PlacementController:
             while not self._stop.wait(period_s):
                 try:
                     self.step()
-                except (ray.exceptions.RayError, TimeoutError) as e:  # a tier actor restarting: next round
+                except Exception as e:  # a tier actor restarting or absent: count it, try again next round
                     self.totals["failed_rounds"] += 1
                     self.totals[f"last_error:{type(e).__name__}"] = 1
 

@@ -125,3 +125,13 @@ def test_cluster_cli_names_the_bad_field(tmp_path, capsys) -> None:
     bad.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\nnodes: [{name: n0, tiers: [{tier: tape, capacity_gib: 1}]}]\n")
     assert main(["cluster", "up", str(bad)]) == 2
     assert "field nodes.0.tiers.0.tier" in capsys.readouterr().err
+
+
+def test_cluster_cli_without_a_cluster_is_one_clear_line() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvcluster.cli", "cluster", "status", "local", "--address",
+                          "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no Ray cluster at --address '127.0.0.1:1'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -15,6 +15,7 @@ from kvcluster.keys import KeySpace
 from kvcluster.model_spec import load_model_spec
 from kvcluster.storage import (NVMeBackend, NixlPeerPool, PFSBackend, RDMABackend, StorageError, cxl_backend,
                                dram_backend, hbm_backend, layout_for)
+from kvcluster.storage.rdma import PeerUnavailable
 
 SPACE = KeySpace(model="test")
 
@@ -204,3 +205,37 @@ def test_rdma_moves_blocks_between_two_processes() -> None:
         parent.send(("stop", ()))
         parent.recv()
         proc.join(30)
+
+
+class _FailingPeer:
+    """A peer pool whose owner disappears at a chosen control call."""
+
+    def __init__(self, pool: NixlPeerPool, fail_on: str) -> None:
+        self.pool, self.fail_on = pool, fail_on
+
+    def __getattr__(self, method: str):
+        if method == self.fail_on:
+            def gone(*args):
+                raise PeerUnavailable(f"{method}: owner gone")
+            return gone
+        return getattr(self.pool, method)
+
+
+@pytest.mark.parametrize("fail_on", ["reserve", "commit", "lookup", "release"])
+def test_a_peer_lost_mid_call_gives_misses_not_errors(fail_on: str) -> None:
+    ks = keys(3, "peer-lost")
+    data = [np.full(1 << 12, i, dtype=np.uint8) for i in range(3)]
+    pool = NixlPeerPool(8, 1 << 14, name=f"lost-{fail_on}")
+    backend = RDMABackend(_FailingPeer(pool, fail_on), 1 << 16, 8, name=f"lost-client-{fail_on}")
+    stored = backend.put_many(list(zip(ks, data)))
+    if fail_on in ("reserve", "commit"):
+        assert stored == [False] * 3 and backend.get_many(ks) == [None] * 3  # nothing half-written is readable
+        return
+    assert stored == [True] * 3
+    if fail_on == "lookup":
+        assert backend.get_many(ks) == [None] * 3 and backend.contains(ks) == [False] * 3
+    else:  # release is only called for corrupt blocks: flip a byte in the owner's slab
+        host = pool.pool.numpy()
+        host[pool.lookup([bytes(ks[0])])[0][0], 0] ^= 0xFF
+        got = backend.get_many(ks)
+        assert got[0] is None and all(np.array_equal(g, d) for g, d in zip(got[1:], data[1:]))

@@ -170,9 +170,12 @@ class RDMABackend(StorageBackend):
                 local.append((off, views[i].nbytes))
                 off += views[i].nbytes
             if picked:
-                self._transfer("WRITE", local, [slots[i - lo] for i in picked])
-                self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
-                                 [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+                try:
+                    self._transfer("WRITE", local, [slots[i - lo] for i in picked])
+                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
+                                     [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+                except StorageError:  # peer gone mid-batch: these blocks are not stored (uncommitted slots are never read)
+                    break
             for i in picked:
                 ok[i] = True
         self._stats.puts += sum(ok)
@@ -197,7 +200,11 @@ class RDMABackend(StorageBackend):
             for i in part:
                 local.append((off, entries[i][1]))
                 off += entries[i][1]
-            self._transfer("READ", local, [entries[i][0] for i in part])
+            try:
+                self._transfer("READ", local, [entries[i][0] for i in part])
+            except StorageError:  # peer gone between lookup and read: the rest are misses
+                self._stats.misses += len(found) - lo
+                break
             for i, (start, n) in zip(part, local):
                 data = self._stage_np[start : start + n]
                 if checksum(data) != entries[i][2]:
@@ -210,7 +217,10 @@ class RDMABackend(StorageBackend):
                 self._stats.get_bytes += n
         if corrupt:
             self._stats.corrupt += len(corrupt)
-            self.peer.release(corrupt)
+            try:
+                self.peer.release(corrupt)
+            except PeerUnavailable:
+                pass  # the peer's memory is gone anyway
         return results
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
