@@ -1,0 +1,55 @@
+"""Where a runner's prefix blocks come from and go to.
+
+The runner calls `fetch` once per request with all of the prompt's block keys and
+gets back the verified leading run, then `store` once with the blocks it
+computed. The in-process form binds a `TieredStore` (the policy engine's
+hierarchy over real backends); the Ray form (serve_apps) adds the node's tier
+actors and remote nodes behind the same two calls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..keys import BlockKey
+from ..policies.base import RequestContext
+from ..storage.tiered import TieredStore
+
+
+class BlockStore(Protocol):
+    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
+        """Payloads of the longest cached, verified prefix of `keys`."""
+
+    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None]) -> None:
+        """After the request: `payloads[j]` is block j's KV when this request computed it, else None."""
+
+
+class LocalBlockStore:
+    """A TieredStore in this process (hbm, dram, ... backends), safe across threads."""
+
+    def __init__(self, tiered: TieredStore) -> None:
+        self.tiered = tiered
+        self._lock = threading.Lock()
+        self._requests = 0
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
+        with self._lock:
+            result = self.tiered.fetch(keys)
+            fetched = list(result.payloads)
+            self._commit(keys[: len(fetched)], [None] * len(fetched))  # the hits count as uses now
+            return fetched
+
+    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None]) -> None:
+        new = [(k, p) for k, p in zip(keys, payloads) if p is not None]  # the hits were committed at fetch
+        with self._lock:
+            self._commit([k for k, _ in new], [p for _, p in new])
+
+    def _commit(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None]) -> None:
+        if not keys:
+            return
+        self._requests += 1
+        self.tiered.commit(keys, payloads, RequestContext(index=self._requests, now=time.monotonic()))

@@ -1,0 +1,190 @@
+"""The model runner: prefill only what the cache lacks, decode token by token, write new blocks back.
+
+Per request: split the prompt into block keys (chained over token ids, the model
+fingerprint and the tenant's salt), fetch the longest cached prefix in one call,
+rebuild the transformers cache from it, prefill the remaining tokens, then decode.
+At least the prompt's last token is always computed (its logits pick the first
+new token). When the request ends, every full block it computed (prompt and
+answer) goes back to the store in one call, so the next turn of a conversation
+finds its whole history.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import KvclusterError
+from ..keys import BlockKey, KeySpace
+from ..storage.layout import layout_for
+from .block_store import BlockStore
+from .kv_codec import KVCodec
+from .models import LoadedModel
+from .sampling import SamplingParams, make_generator, next_token
+
+
+class RequestTooLong(KvclusterError):
+    """Prompt plus max_tokens does not fit the model's context window."""
+
+
+@dataclass
+class Generation:
+    """One request in flight."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded output so far, stop strings cut off
+    emitted: int = 0  # characters of `text` already handed out
+    finish_reason: str | None = None
+    ttft_s: float = 0.0
+    fetch_s: float = 0.0  # lookup + load + cache build, excluding model compute
+    cache: object = None
+    generator: torch.Generator | None = None
+    stored_blocks: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, store: BlockStore | None = None, block_tokens: int = 16,
+                 root_seed: str = "kvcluster-v1") -> None:
+        self.loaded = loaded
+        self.store = store
+        self.block_tokens = block_tokens
+        self.layout = layout_for(loaded.spec, block_tokens, loaded.dtype)
+        self.codec = KVCodec(self.layout, loaded.model.config)
+        self.keys = KeySpace(model=loaded.fingerprint, root_seed=root_seed)
+        self._stop_holdback = 0
+
+    # ---- keys -------------------------------------------------------------------------------------------
+
+    def block_keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[BlockKey]:
+        return self.keys.chain_token_ids(token_ids, self.block_tokens, cache_salt)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        window = self.loaded.context_window
+        if prompt_tokens == 0:
+            raise RequestTooLong("the prompt is empty")
+        if prompt_tokens + max_tokens > window:
+            raise RequestTooLong(f"this model's context window is {window} tokens; the prompt has {prompt_tokens} "
+                                 f"and max_tokens asks for {max_tokens} more")
+
+    # ---- one request ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Generation:
+        """Fetch the cached prefix, prefill the rest and pick the first token."""
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        t0 = time.perf_counter()
+        gen = Generation(list(prompt_ids), params, cache_salt, generator=make_generator(params))
+        payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
+        gen.cache = self.codec.decode(payloads)
+        gen.cached_tokens = len(payloads) * self.block_tokens
+        gen.fetch_s = time.perf_counter() - t0
+        rest = torch.tensor([gen.prompt_ids[gen.cached_tokens :]], dtype=torch.long)
+        out = self.loaded.model(input_ids=rest, cache=gen.cache, use_cache=True)
+        self._accept(gen, next_token(out.logits[0, -1], params, gen.generator))
+        gen.ttft_s = time.perf_counter() - t0
+        return gen
+
+    @torch.inference_mode()
+    def step(self, gen: Generation) -> None:
+        """Decode one more token."""
+        if gen.done:
+            return
+        last = torch.tensor([[gen.output_ids[-1]]], dtype=torch.long)
+        out = self.loaded.model(input_ids=last, cache=gen.cache, use_cache=True)
+        self._accept(gen, next_token(out.logits[0, -1], gen.params, gen.generator))
+
+    def new_text(self, gen: Generation) -> str:
+        """Output text not handed out yet (a possible stop-string start is held back until decided)."""
+        hold = 0 if gen.done else max((len(s) - 1 for s in gen.params.stop), default=0)
+        end = max(gen.emitted, len(gen.text) - hold)
+        if not gen.done and gen.text[gen.emitted:end].endswith("\ufffd"):  # half a multi-byte character
+            end = gen.emitted
+        delta, gen.emitted = gen.text[gen.emitted:end], end
+        return delta
+
+    def finish(self, gen: Generation) -> None:
+        """Store every full block this request computed (one call), then drop its cache."""
+        if self.store is not None and gen.cache is not None:
+            seq = gen.prompt_ids + gen.output_ids[:-1]  # the last token was never fed back
+            keys = self.block_keys(seq, gen.cache_salt)
+            first_new = gen.cached_tokens // self.block_tokens
+            new = self.codec.encode(gen.cache, first_new, len(keys))
+            if new:
+                self.store.store(keys, [None] * first_new + new)
+                gen.stored_blocks = len(new)
+        gen.cache = None
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Iterator[str]:
+        """Text deltas of a whole request (the streaming form of start/step/finish)."""
+        gen = self.start(prompt_ids, params, cache_salt)
+        try:
+            while True:
+                delta = self.new_text(gen)
+                if delta:
+                    yield delta
+                if gen.done:
+                    break
+                self.step(gen)
+        finally:
+            self.finish(gen)
+
+    def complete(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Generation:
+        """Run a request to the end (non-streaming)."""
+        gen = self.start(prompt_ids, params, cache_salt)
+        try:
+            while not gen.done:
+                self.step(gen)
+            self.new_text(gen)
+        finally:
+            self.finish(gen)
+        return gen
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _fetch_prefix(self, prompt_ids: list[int], cache_salt: str) -> list[np.ndarray]:
+        if self.store is None:
+            return []
+        usable = (len(prompt_ids) - 1) // self.block_tokens  # the last prompt token is always computed
+        keys = self.block_keys(prompt_ids[: usable * self.block_tokens], cache_salt)
+        if not keys:
+            return []
+        payloads = self.store.fetch(keys)
+        good = []
+        for p in payloads[:usable]:
+            if not self.codec.check(p):  # wrong size: a miss from here on, never wrong KV
+                break
+            good.append(p)
+        return good
+
+    def _accept(self, gen: Generation, token: int) -> None:
+        gen.output_ids.append(token)
+        p, tok = gen.params, self.loaded.tokenizer
+        if token in self.loaded.eos_token_ids and not p.ignore_eos:
+            gen.output_ids.pop()  # eos is not part of the answer, but it was not fed either
+            gen.output_ids.append(token)
+            gen.text = tok.decode(gen.output_ids[:-1], skip_special_tokens=True)
+            gen.finish_reason = "stop"
+            return
+        gen.text = tok.decode(gen.output_ids, skip_special_tokens=True)
+        for stop in p.stop:
+            at = gen.text.find(stop)
+            if at >= 0:
+                gen.text = gen.text[:at]
+                gen.finish_reason = "stop"
+                return
+        if len(gen.output_ids) >= p.max_tokens:
+            gen.finish_reason = "length"
+        elif len(gen.prompt_ids) + len(gen.output_ids) >= self.loaded.context_window:
+            gen.finish_reason = "length"

@@ -1,0 +1,171 @@
+"""The model runner: cached prefixes give exactly the uncached output, for every attention kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.serving.models import load_model
+from kvcluster.serving.rope import rope_geometry
+from kvcluster.serving.runner import ModelRunner, RequestTooLong
+from kvcluster.serving.sampling import SamplingParams
+from kvcluster.storage import dram_backend, hbm_backend, layout_for
+from kvcluster.storage.tiered import TieredStore
+
+MODELS = ["kvcluster-tiny-llama", "kvcluster-tiny-sliding", "kvcluster-tiny-mla"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=MODELS + ["kvcluster-tiny-llama:bf16"])
+def loaded(request):
+    name, _, dtype = request.param.partition(":")
+    return load_model(name, dtype=dtype or "fp32")
+
+
+def cached_runner(loaded, hbm_blocks: int = 64, dram_blocks: int = 256) -> ModelRunner:
+    block = layout_for(loaded.spec, 16, loaded.dtype).nbytes()
+    tiers = TieredStore([hbm_backend(hbm_blocks, block), dram_backend(dram_blocks, block)], block)
+    return ModelRunner(loaded, LocalBlockStore(tiers))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.RandomState(seed).randint(3, 32000, n)]
+
+
+def test_cache_hit_output_equals_cold_output(loaded):
+    cold, warm = ModelRunner(loaded), cached_runner(loaded)
+    first = prompt(150)
+    reference = cold.complete(first, GREEDY)
+    miss = warm.complete(first, GREEDY)
+    hit = warm.complete(first, GREEDY)
+    assert miss.cached_tokens == 0 and hit.cached_tokens == 144  # 9 full blocks; the last token is computed
+    assert reference.output_ids == miss.output_ids == hit.output_ids
+    assert reference.text == hit.text
+
+    second = first + hit.output_ids + prompt(40, seed=1)  # the next turn: history + answer + new message
+    turn = warm.complete(second, GREEDY)
+    assert turn.cached_tokens == (len(first) + len(hit.output_ids) - 1) // 16 * 16
+    assert turn.output_ids == cold.complete(second, GREEDY).output_ids
+
+
+def test_cached_logits_match(loaded):
+    """Stronger than greedy equality: the next-token logits after a restored prefix."""
+    runner = cached_runner(loaded)
+    tokens = prompt(97, seed=3)
+    runner.complete(tokens, GREEDY)
+    payloads = runner.store.fetch(runner.block_keys(tokens[:96]))
+    assert len(payloads) == 6
+    with torch.inference_mode():
+        restored = runner.codec.decode(payloads)
+        warm = loaded.model(input_ids=torch.tensor([tokens[96:]]), cache=restored, use_cache=True).logits[0, -1]
+        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    tol = 2e-2 if loaded.dtype == "bf16" else 1e-4
+    assert torch.allclose(warm.float(), cold.float(), atol=tol), float((warm - cold).abs().max())
+
+
+def test_payload_is_the_layout_and_mla_stores_only_the_latent(loaded):
+    runner = cached_runner(loaded)
+    tokens = prompt(40)
+    gen = runner.start(tokens, GREEDY)
+    payloads = runner.codec.encode(gen.cache, 0, 2)
+    lay, cfg = runner.layout, loaded.model.config
+    assert all(p.dtype == np.uint8 and p.nbytes == lay.nbytes() for p in payloads)
+    if lay.kind == "latent":
+        assert lay.head_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        assert lay.nbytes() == cfg.num_hidden_layers * 16 * per_token * 4  # fp32 latent, nothing decompressed
+        decompressed = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        assert decompressed > per_token  # per-head K/V would be larger than what is stored
+    layer0 = gen.cache.layers[0].keys[0, :, :16]
+    typed = torch.from_numpy(payloads[0]).view(runner.codec.dtype).view(*lay.shape())
+    stored = typed[0, :, : runner.codec.latent_rank][None] if lay.kind == "latent" else typed[0, 0]
+    assert torch.equal(stored, layer0)  # raw bits, bf16 included
+
+
+def test_tenants_never_share_blocks(loaded):
+    runner = cached_runner(loaded)
+    tokens = prompt(80)
+    runner.complete(tokens, GREEDY, cache_salt="tenant-a")
+    assert runner.complete(tokens, GREEDY, cache_salt="tenant-b").cached_tokens == 0
+    assert runner.complete(tokens, GREEDY, cache_salt="tenant-a").cached_tokens == 64
+
+
+class WrongSizeStore:
+    """A store returning a truncated payload in the middle of the run: the rest must be recomputed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def fetch(self, keys):
+        got = self.inner.fetch(keys)
+        return got[:2] + [got[2][:100]] + got[3:] if len(got) > 3 else got
+
+    def store(self, keys, payloads):
+        self.inner.store(keys, payloads)
+
+
+def test_a_bad_payload_is_a_miss_not_wrong_output():
+    loaded = load_model("kvcluster-tiny-llama")
+    warm = cached_runner(loaded)
+    tokens = prompt(100)
+    warm.complete(tokens, GREEDY)
+    broken = ModelRunner(loaded, WrongSizeStore(warm.store))
+    gen = broken.complete(tokens, GREEDY)
+    assert gen.cached_tokens == 32
+    assert gen.output_ids == ModelRunner(loaded).complete(tokens, GREEDY).output_ids
+
+
+def test_sampling_is_repeatable_with_a_seed_and_stops_on_strings():
+    loaded = load_model("kvcluster-tiny-llama")
+    runner = ModelRunner(loaded)
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    a, b = runner.complete(prompt(20), params), runner.complete(prompt(20), params)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 10 and a.finish_reason == "length"
+    greedy = runner.complete(prompt(20), GREEDY)
+    stop = greedy.text[3:6]
+    cut = runner.complete(prompt(20), GREEDY.model_copy(update={"stop": (stop,)}))
+    assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.find(stop)]
+    deltas = list(runner.generate(prompt(20), GREEDY.model_copy(update={"stop": (stop,)})))
+    assert "".join(deltas) == cut.text
+
+
+def test_prompt_over_the_context_window_is_refused():
+    loaded = load_model("kvcluster-tiny-llama")
+    runner = ModelRunner(loaded)
+    with pytest.raises(RequestTooLong, match="context window is 4096"):
+        runner.start(prompt(4090), SamplingParams(max_tokens=10))
+    with pytest.raises(RequestTooLong, match="empty"):
+        runner.start([], GREEDY)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_rerotated_payloads_equal_payloads_computed_at_the_new_position(name):
+    """A block moved by `delta` positions: its stored keys re-rotated equal the keys computed there."""
+    loaded = load_model(name)
+    runner = ModelRunner(loaded)
+    geom = rope_geometry(loaded.model)
+    tokens, delta = torch.tensor([prompt(32)]), 200
+    with torch.inference_mode():
+        at_zero, at_delta = runner.codec.new_cache(), runner.codec.new_cache()
+        loaded.model(input_ids=tokens, cache=at_zero, use_cache=True)
+        loaded.model(input_ids=tokens, position_ids=torch.arange(32)[None] + delta, cache=at_delta, use_cache=True)
+    moved = runner.codec.rerotate(runner.codec.encode(at_zero, 0, 2), delta, geom)
+    expected = runner.codec.encode(at_delta, 0, 2)
+    lay = runner.layout
+    for got, want in zip(moved, expected):
+        g = torch.from_numpy(got).view(torch.float32)
+        w = torch.from_numpy(want).view(torch.float32)
+        assert torch.allclose(g, w, atol=1e-4), float((g - w).abs().max())
+    stale = torch.from_numpy(runner.codec.encode(at_zero, 0, 1)[0]).view(torch.float32)
+    assert not torch.allclose(stale, torch.from_numpy(expected[0]).view(torch.float32), atol=1e-2)
+    assert lay.nbytes() == moved[0].nbytes
