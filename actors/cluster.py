@@ -44,6 +44,18 @@ def _ray_node_id(node: NodeEntry, alive: list[dict]) -> str:
     raise ConfigError(f"node {node.name!r}: no live Ray node has the resource {key!r}")
 
 
+def node_ids(cfg: ClusterConfig) -> dict[str, str]:
+    """Cluster node name -> Ray node id (hex), for the nodes of `cfg` that are alive now."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    out = {}
+    for node in cfg.nodes:
+        try:
+            out[node.name] = _ray_node_id(node, alive)
+        except ConfigError:
+            continue
+    return out
+
+
 def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
     """Start (or find) the index, predictor, every tier actor and the placement loop; idempotent."""
     alive = [n for n in ray.nodes() if n["Alive"]]

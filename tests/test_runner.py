@@ -110,8 +110,8 @@ class WrongSizeStore:
         got = self.inner.fetch(keys)
         return got[:2] + [got[2][:100]] + got[3:] if len(got) > 3 else got
 
-    def store(self, keys, payloads):
-        self.inner.store(keys, payloads)
+    def store(self, keys, payloads, pairs=None):
+        self.inner.store(keys, payloads, pairs)
 
 
 def test_a_bad_payload_is_a_miss_not_wrong_output():

@@ -24,8 +24,10 @@ class BlockStore(Protocol):
     def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
         """Payloads of the longest cached, verified prefix of `keys`."""
 
-    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None]) -> None:
-        """After the request: `payloads[j]` is block j's KV when this request computed it, else None."""
+    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
+              pairs: Sequence[int] | None = None) -> None:
+        """After the request: `payloads[j]` is block j's KV when this request computed it, else None;
+        `pairs[j]` its (block type, transition) pair for the reuse predictor."""
 
 
 class LocalBlockStore:
@@ -43,7 +45,8 @@ class LocalBlockStore:
             self._commit(keys[: len(fetched)], [None] * len(fetched))  # the hits count as uses now
             return fetched
 
-    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None]) -> None:
+    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
+              pairs: Sequence[int] | None = None) -> None:
         new = [(k, p) for k, p in zip(keys, payloads) if p is not None]  # the hits were committed at fetch
         with self._lock:
             self._commit([k for k, _ in new], [p for _, p in new])

@@ -58,26 +58,45 @@ def load_model(name_or_path: str, dtype: str = "fp32", seed: int = 0, served_nam
     spec = load_model_spec(name_or_path)
     torch_dtype = TORCH_DTYPES[dtype]
     path = Path(name_or_path)
-    if path.is_dir() and _has_weights(path):
+    if is_checkpoint(path):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True)
-        source = f"checkpoint:{path.resolve()}"
-        tokenizer = _checkpoint_tokenizer(path)
     else:
         torch.manual_seed(seed)
         config = spec.hf_config
         config._attn_implementation = "eager" if _needs_eager(config) else "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        config_text = resolve_model_path(name_or_path).read_text()
-        source = f"random:{hashlib.sha256(config_text.encode()).hexdigest()[:16]}:seed{seed}"
-        tokenizer = load_tokenizer()
     model.eval()
+    tokenizer = load_model_tokenizer(name_or_path)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ConfigError(f"model {name_or_path!r} has {vocab} embeddings but its tokenizer has {len(tokenizer)} tokens")
-    rope = json.dumps(getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None),
+    return LoadedModel(served_name or spec.name, model, tokenizer, spec, dtype, model_fingerprint(name_or_path, dtype, seed))
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and _has_weights(path)
+
+
+def model_fingerprint(name_or_path: str, dtype: str, seed: int = 0) -> str:
+    """What makes two replicas' KV equal: weights' source, dtype, RoPE settings. Needs no weights loaded,
+    so the ingress computes the same block keys as the replicas."""
+    spec = load_model_spec(name_or_path)
+    path = Path(name_or_path)
+    if is_checkpoint(path):
+        source = f"checkpoint:{path.resolve()}"
+    else:
+        config_text = resolve_model_path(name_or_path).read_text()
+        source = f"random:{hashlib.sha256(config_text.encode()).hexdigest()[:16]}:seed{seed}"
+    cfg = spec.hf_config
+    rope = json.dumps(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None),
                       sort_keys=True, default=str)
-    fingerprint = f"{spec.name}|{source}|{dtype}|rope={rope}"
-    return LoadedModel(served_name or spec.name, model, tokenizer, spec, dtype, fingerprint)
+    return f"{spec.name}|{source}|{dtype}|rope={rope}"
+
+
+def load_model_tokenizer(name_or_path: str):
+    """The checkpoint's own tokenizer when it ships one, else the offline built-in one."""
+    path = Path(name_or_path)
+    return _checkpoint_tokenizer(path) if path.is_dir() else load_tokenizer()
 
 
 def _needs_eager(config: Any) -> bool:

@@ -18,9 +18,11 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from ..block_types import BlockType, TransitionType, pair_index
 from ..errors import KvclusterError
 from ..keys import BlockKey, KeySpace
 from ..storage.layout import layout_for
+from ..traces.classify import majority_block_types
 from .block_store import BlockStore
 from .kv_codec import KVCodec
 from .models import LoadedModel
@@ -38,11 +40,13 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (block type, tokens) of the prompt
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded output so far, stop strings cut off
     emitted: int = 0  # characters of `text` already handed out
     finish_reason: str | None = None
+    hit_eos: bool = False  # the last output id is the end-of-sequence token (not part of the text)
     ttft_s: float = 0.0
     fetch_s: float = 0.0  # lookup + load + cache build, excluding model compute
     cache: object = None
@@ -52,6 +56,10 @@ class Generation:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids) - int(self.hit_eos)
 
 
 class ModelRunner:
@@ -81,11 +89,13 @@ class ModelRunner:
     # ---- one request ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Generation:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+              spans: Sequence[tuple[int, int]] = ()) -> Generation:
         """Fetch the cached prefix, prefill the rest and pick the first token."""
         self.check_fits(len(prompt_ids), params.max_tokens)
         t0 = time.perf_counter()
-        gen = Generation(list(prompt_ids), params, cache_salt, generator=make_generator(params))
+        gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
+                         generator=make_generator(params))
         payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
         gen.cache = self.codec.decode(payloads)
         gen.cached_tokens = len(payloads) * self.block_tokens
@@ -122,9 +132,16 @@ class ModelRunner:
             first_new = gen.cached_tokens // self.block_tokens
             new = self.codec.encode(gen.cache, first_new, len(keys))
             if new:
-                self.store.store(keys, [None] * first_new + new)
+                self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)))
                 gen.stored_blocks = len(new)
         gen.cache = None
+
+    def pairs(self, gen: Generation, blocks: int) -> list[int]:
+        """The reuse predictor's (block type, transition) pair of each of the request's blocks."""
+        spans = gen.spans + [(BlockType.OUTPUT, len(gen.output_ids))]
+        types = majority_block_types([(BlockType(t), n) for t, n in spans], self.block_tokens)[:blocks]
+        transition = TransitionType.APPEND if gen.cached_tokens else TransitionType.FIRST
+        return [pair_index(t, transition) for t in types]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Iterator[str]:
         """Text deltas of a whole request (the streaming form of start/step/finish)."""
@@ -172,10 +189,7 @@ class ModelRunner:
         gen.output_ids.append(token)
         p, tok = gen.params, self.loaded.tokenizer
         if token in self.loaded.eos_token_ids and not p.ignore_eos:
-            gen.output_ids.pop()  # eos is not part of the answer, but it was not fed either
-            gen.output_ids.append(token)
-            gen.text = tok.decode(gen.output_ids[:-1], skip_special_tokens=True)
-            gen.finish_reason = "stop"
+            gen.hit_eos, gen.finish_reason = True, "stop"  # eos ends the answer and is not part of its text
             return
         gen.text = tok.decode(gen.output_ids, skip_special_tokens=True)
         for stop in p.stop:

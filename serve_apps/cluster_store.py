@@ -1,0 +1,108 @@
+"""A replica's view of the tiers: its own hbm in-process, then every node's tier actors.
+
+`fetch` reads the hbm run first (no remote call), asks the index once where the
+rest of the prefix lives, then reads it with one `get_many` per (node, tier),
+all in flight together; this node's tiers are preferred over remote ones. A
+tier actor that is gone or slow is a miss, never an error. Fetched blocks are
+promoted into hbm. `store` keeps new blocks in hbm and writes them through to
+this node's first host tier with one fire-and-forget call, and tells the reuse
+predictor about the request's blocks in one more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+import ray
+
+from actors.index_actor import INDEX_NAME, NAMESPACE
+from actors.predictor_actor import PREDICTOR_NAME
+from actors.tier_actor import actor_name
+from kvcluster.block_index import PrefixMatch
+from kvcluster.keys import BlockKey
+from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.tiers import TIER_ORDER
+
+log = logging.getLogger(__name__)
+WRITE_TIERS = ("dram", "cxl", "nvme", "pfs")  # write-through goes to the first of these the node has
+
+
+class ClusterBlockStore:
+    def __init__(self, hbm: LocalBlockStore, node: str | None, node_tiers: Sequence[str], timeout_s: float = 10.0):
+        self.hbm = hbm
+        self.node = node
+        self.timeout_s = timeout_s
+        self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+        self.predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
+        self._actors: dict[tuple[str, str], object] = {}
+        self.write_tier = next((t for t in WRITE_TIERS if t in node_tiers), None) if node else None
+        self.counters = defaultdict(int)  # blocks served per tier, remote failures
+
+    def _actor(self, node: str, tier: str):
+        loc = (node, tier)
+        if loc not in self._actors:
+            self._actors[loc] = ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
+        return self._actors[loc]
+
+    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
+        local = self.hbm.fetch(keys)
+        self.counters["hbm"] += len(local)
+        rest = list(keys[len(local):])
+        if not rest:
+            return local
+        try:
+            match: PrefixMatch = ray.get(self.index.longest_prefix.remote(rest), timeout=self.timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("index unavailable (%s): serving the hbm run only", type(exc).__name__)
+            self.counters["remote_failures"] += 1
+            return local
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for j in range(match.length):
+            groups[self._choose(match.locations[j])].append(j)
+        got: dict[int, np.ndarray | None] = {}
+        refs = {}
+        for (node, tier), positions in groups.items():
+            try:
+                refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
+            except ValueError:  # no such actor (node gone): misses
+                self._actors.pop((node, tier), None)
+        for loc, ref in refs.items():
+            try:
+                for j, payload in zip(groups[loc], ray.get(ref, timeout=self.timeout_s)):
+                    got[j] = payload
+            except (ray.exceptions.RayError, TimeoutError):
+                self._actors.pop(loc, None)
+                self.counters["remote_failures"] += 1
+        run: list[np.ndarray] = []
+        for j in range(match.length):
+            payload = got.get(j)
+            if payload is None:
+                break
+            run.append(payload)
+            self.counters[self._choose(match.locations[j])[1]] += 1
+        if run:
+            self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
+        return local + run
+
+    def _choose(self, locations) -> tuple[str, str]:
+        """This node's fastest copy, else the fastest copy anywhere."""
+        mine = [loc for loc in locations if loc[0] == self.node]
+        pool = mine or list(locations)
+        return min(pool, key=lambda loc: TIER_ORDER.index(loc[1]))
+
+    def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
+              pairs: Sequence[int] | None = None) -> None:
+        self.hbm.store(keys, payloads, pairs)
+        new = [j for j, p in enumerate(payloads) if p is not None]
+        if new and self.write_tier is not None:
+            try:
+                self._actor(self.node, self.write_tier).put_many.remote(
+                    [keys[j] for j in new], [payloads[j] for j in new], None if pairs is None else [pairs[j] for j in new])
+            except ValueError:
+                self._actors.pop((self.node, self.write_tier), None)
+        if pairs is not None and keys:
+            self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())

@@ -1,0 +1,46 @@
+"""The Serve app's settings (the `args` of configs/serve.yaml), validated before anything starts."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AutoscalingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+
+
+class ServeAppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("kvcluster-tiny-llama", description="A name under configs/models, or a local checkpoint dir.")
+    served_model_name: str | None = Field(None, description="The id clients send as `model` (default: the name).")
+    dtype: str = Field("fp32", pattern="^(fp32|bf16|fp16)$")
+    seed: int = Field(0, description="Seed of random weights; every replica builds the same model.")
+    block_tokens: int = Field(16, gt=0, description="Tokens per KV block (must match the cluster config).")
+    hbm_blocks: int = Field(512, ge=1, description="Blocks the replica's own tier (hbm) holds.")
+    cluster: str | None = Field("local", description="Cluster YAML (configs/cluster) of the tier actors; "
+                                                     "None: the replica's hbm tier only.")
+    torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
+                                                    "busy small machines).")
+    replica_cpus: float = Field(1.0, ge=0)
+    max_ongoing_requests: int = Field(8, ge=1, description="Requests a replica interleaves; more wait in Serve.")
+    autoscaling: AutoscalingSettings = AutoscalingSettings()
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    default_chat_max_tokens: int = Field(256, ge=1)
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth "
+                                                                  "(KVCLUSTER_API_KEYS=comma,separated also works).")
+    root_seed: str = Field("kvcluster-v1", description="Block-key root; every node and replica must agree.")
+
+    def keys(self) -> list[str]:
+        env = [k for k in os.environ.get("KVCLUSTER_API_KEYS", "").split(",") if k]
+        return self.api_keys + env
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,120 @@
+"""A model replica: one ModelRunner whose KV prefix comes from the tiers, as a Serve deployment.
+
+The ingress hands over token ids (it tokenized them to route the request), the
+sampling parameters and the tenant's salt; the replica streams back events: one
+`start` (prompt and cached token counts), text `delta`s, one `end`. Requests on
+one replica interleave token by token; each model step runs in a worker thread
+so the replica keeps answering health checks and new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import AsyncIterator
+
+import ray
+import torch
+from ray import serve
+
+from actors.cluster import node_ids, up
+from kvcluster.cluster_config import load_cluster_config
+from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.serving.models import load_model
+from kvcluster.serving.runner import ModelRunner, RequestTooLong
+from kvcluster.serving.sampling import SamplingParams
+from kvcluster.storage import hbm_backend
+from kvcluster.storage.tiered import TieredStore
+
+from .cluster_store import ClusterBlockStore
+from .config import ServeAppConfig
+
+
+def cache_cluster(cfg: ServeAppConfig):
+    """The cluster YAML, with its cache actors started (idempotent), or None without one."""
+    if cfg.cluster is None:
+        return None
+    cluster = load_cluster_config(cfg.cluster)
+    up(cluster)
+    return cluster
+
+
+class KVReplica:
+    def __init__(self, config: dict) -> None:
+        self.cfg = ServeAppConfig.model_validate(config)
+        torch.set_num_threads(self.cfg.torch_threads)
+        self.loaded = load_model(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.name)
+        cluster = cache_cluster(self.cfg)
+        runner = ModelRunner(self.loaded, None, self.cfg.block_tokens, self.cfg.root_seed)
+        block = runner.layout.nbytes()
+        hbm = LocalBlockStore(TieredStore([hbm_backend(self.cfg.hbm_blocks, block)], block))
+        self.node = None
+        if cluster is not None:
+            if cluster.block_bytes() != block:
+                raise ValueError(f"cluster {self.cfg.cluster!r} sizes {cluster.block_bytes()}-byte blocks but "
+                                 f"{self.cfg.model} with {self.cfg.block_tokens}-token blocks needs {block}")
+            here = ray.get_runtime_context().get_node_id()
+            self.node = next((name for name, nid in node_ids(cluster).items() if nid == here), None)
+            tiers = [t.tier for n in cluster.nodes if n.name == self.node for t in n.tiers]
+            runner.store = ClusterBlockStore(hbm, self.node, tiers)
+        else:
+            runner.store = hbm
+        self.runner = runner
+        self._model_lock = threading.Lock()  # one forward at a time; requests interleave between steps
+        self.served = 0
+
+    def _locked(self, fn, *args):
+        with self._model_lock:
+            return fn(*args)
+
+    async def generate(self, request: dict, prefer_node: str | None = None) -> AsyncIterator[dict]:
+        """Stream one request's events. `prefer_node` is read by the router, not here."""
+        params = SamplingParams.model_validate(request["params"])
+        try:
+            gen = await asyncio.to_thread(self._locked, self.runner.start, request["prompt_ids"], params,
+                                          request.get("cache_salt", ""), request.get("spans", ()))
+        except RequestTooLong as exc:
+            yield {"type": "error", "message": str(exc)}
+            return
+        yield {"type": "start", "prompt_tokens": len(gen.prompt_ids), "cached_tokens": gen.cached_tokens,
+               "ttft_s": gen.ttft_s, "fetch_s": gen.fetch_s, "node": self.node}
+        try:
+            while True:
+                delta = self.runner.new_text(gen)
+                if delta:
+                    yield {"type": "delta", "text": delta}
+                if gen.done:
+                    break
+                await asyncio.to_thread(self._locked, self.runner.step, gen)
+        finally:
+            await asyncio.to_thread(self._locked, self.runner.finish, gen)
+            self.served += 1
+        yield {"type": "end", "finish_reason": gen.finish_reason, "completion_tokens": gen.completion_tokens,
+               "stored_blocks": gen.stored_blocks}
+
+    def info(self) -> dict:
+        store = self.runner.store
+        return {"node": self.node, "served": self.served, "pid": os.getpid(),
+                "tiers_hit": dict(getattr(store, "counters", {})), "block_bytes": self.runner.layout.nbytes()}
+
+    def check_health(self) -> None:
+        if self.runner is None:
+            raise RuntimeError("model not loaded")
+
+
+def replica_deployment(cfg: ServeAppConfig):
+    """KVReplica as a Serve deployment with autoscaling and the prefix-affinity router."""
+    from ray.serve.config import RequestRouterConfig
+
+    from .router import PrefixAffinityRouter
+
+    return serve.deployment(
+        KVReplica,
+        name="KVReplica",
+        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        autoscaling_config=cfg.autoscaling.model_dump(),
+        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
+        health_check_period_s=10,
+    )
