@@ -1,0 +1,195 @@
+"""The OpenAI endpoint on Ray Serve, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from ray import serve  # noqa: E402
+
+from kvcluster.serving.chat import ChatMessage, render_chat  # noqa: E402
+from kvcluster.serving.models import load_model  # noqa: E402
+from kvcluster.serving.runner import ModelRunner  # noqa: E402
+from kvcluster.serving.sampling import SamplingParams  # noqa: E402
+from serve_apps.app import build_app  # noqa: E402
+
+MODEL = "kvcluster-tiny-llama"
+SECURE_MODEL = "kvcluster-tiny-sliding"
+API_KEY = "sk-test-tenant-a"
+DOC = "Ray Serve routes each request to a replica that already holds its prefix. " * 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def endpoint():
+    """Ray, Serve on a free port, the default app and an authenticated one (sliding-window model)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    tmp = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = os.path.join(tmp, "cluster.yaml")
+    with open(cluster, "w") as f:
+        f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
+                f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.05}}\n"
+                f"      - {{tier: pfs, capacity_gib: 0.1, path: {tmp}/pfs}}\n")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+             _temp_dir=tmp, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": MODEL, "cluster": cluster, "replica_cpus": 0.5, "max_tokens_limit": 512}),
+              name="default", route_prefix="/")
+    serve.run(build_app({"model": SECURE_MODEL, "cluster": None, "replica_cpus": 0.5, "api_keys": [API_KEY]}),
+              name="secure", route_prefix="/secure")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    return openai.OpenAI(base_url=f"{endpoint}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same model in this process, no cache: what every served answer must equal."""
+    return ModelRunner(load_model(MODEL))
+
+
+def test_models_and_health(client, endpoint):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{endpoint}/health").json()["status"] == "ok"
+
+
+def test_completion_with_cache_hit_equals_cold_output(client, reference):
+    prompt = "Summary of the design: " + DOC
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ids = reference.loaded.tokenizer.encode(prompt)
+    expected = reference.complete(ids, SamplingParams(max_tokens=12, temperature=0))
+    assert first.choices[0].text == second.choices[0].text == expected.text
+    assert first.usage.prompt_tokens == len(ids) and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16  # truthful: full blocks
+    assert second.usage.completion_tokens == expected.completion_tokens
+
+
+def test_streaming_completion_matches_and_ends_with_done(client, endpoint):
+    prompt = "Streaming check: " + DOC[:200]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    raw = httpx.post(f"{endpoint}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                                                          "temperature": 0, "stream": True}, timeout=120)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.splitlines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_chat_multi_turn_reuses_history(client, reference):
+    history = [{"role": "system", "content": "You are terse. " + DOC[:300]}, {"role": "user", "content": "Why?"}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    answer = first.choices[0].message.content
+    assert first.choices[0].message.role == "assistant"
+    ids, _ = render_chat(reference.loaded.tokenizer, [ChatMessage(**m) for m in history])
+    assert answer == reference.complete(ids, SamplingParams(max_tokens=8, temperature=0)).text
+    turn = history + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16
+    ids2, _ = render_chat(reference.loaded.tokenizer, [ChatMessage(**m) for m in turn])
+    assert second.choices[0].message.content == reference.complete(ids2, SamplingParams(max_tokens=8,
+                                                                                        temperature=0)).text
+    stream = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == second.choices[0].message.content
+
+
+def test_cache_salt_separates_tenants(client):
+    prompt = "Tenant isolation: " + DOC[:400]
+    extra = {"cache_salt": "tenant-x"}
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"cache_salt": "tenant-y"})
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_sampled_completion_is_repeatable_with_seed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+BAD_REQUESTS = [
+    ("completions", b"{not json", 400),
+    ("completions", {"prompt": "x"}, 422),  # missing model
+    ("completions", {"model": MODEL}, 422),  # missing prompt
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 422),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 422),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
+    ("completions", {"model": MODEL, "prompt": "word " * 5000, "max_tokens": 10}, 400),  # over the window
+    ("completions", {"model": MODEL, "prompt": [5, 70000]}, 400),  # token id outside the vocabulary
+    ("completions", {"model": MODEL, "prompt": ""}, 400),
+    ("completions", {"model": "gpt-4o", "prompt": "x"}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, 400),
+    ("completions", {"model": MODEL, "prompt": 17}, 422),
+    ("completions", [1, 2, 3], 422),
+    ("chat/completions", {"model": MODEL, "messages": []}, 422),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 422),
+    ("chat/completions", {"model": MODEL, "messages": "hello"}, 422),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 7}, 422),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                        "content": [{"type": "image_url"}]}]}, 422),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": 5000}, 400),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(endpoint, path, body, status):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{endpoint}/v1/{path}", headers={"content-type": "application/json"}, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_bad_request_through_the_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.completions.create(model=MODEL, prompt="word " * 5000, max_tokens=5)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=5)
+
+
+def test_api_keys_and_sliding_window_model(endpoint):
+    good = openai.OpenAI(base_url=f"{endpoint}/secure/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    bad = openai.OpenAI(base_url=f"{endpoint}/secure/v1", api_key="sk-wrong", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    prompt = "Sliding window: " + DOC  # longer than the 64-token window
+    a = good.completions.create(model=SECURE_MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    b = good.completions.create(model=SECURE_MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert b.usage.prompt_tokens_details.cached_tokens > 64
+    local = ModelRunner(load_model(SECURE_MODEL))
+    ids = local.loaded.tokenizer.encode(prompt)
+    assert a.choices[0].text == local.complete(ids, SamplingParams(max_tokens=10, temperature=0)).text
+    r = httpx.get(f"{endpoint}/secure/v1/models")
+    assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
