@@ -9,6 +9,7 @@ holds the same model. A directory with `config.json` and weights loads with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -49,8 +50,14 @@ def _has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
 
 
-def load_model(name_or_path: str, dtype: str = "fp32", seed: int = 0, served_name: str | None = None) -> LoadedModel:
-    """Build or load the model; raises ConfigError naming what is wrong."""
+def load_model(name_or_path: str, dtype: str = "fp32", seed: int = 0, served_name: str | None = None,
+               device: str = "cpu") -> LoadedModel:
+    """Build or load the model; raises ConfigError naming what is wrong.
+
+    `device` builds the weights there directly (random 8B weights made on the CPU and
+    then moved would take minutes); random weights made on another device differ from
+    the CPU's for the same seed, so the fingerprint names the device (not for "cpu").
+    """
     from transformers import AutoModelForCausalLM
 
     if dtype not in TORCH_DTYPES:
@@ -59,18 +66,23 @@ def load_model(name_or_path: str, dtype: str = "fp32", seed: int = 0, served_nam
     torch_dtype = TORCH_DTYPES[dtype]
     path = Path(name_or_path)
     if is_checkpoint(path):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True)
+        placement = {} if device == "cpu" else {"device_map": device}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True, **placement)
     else:
         torch.manual_seed(seed)
         config = spec.hf_config
         config._attn_implementation = "eager" if _needs_eager(config) else "sdpa"
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        with contextlib.nullcontext() if device == "cpu" else torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.eval()
     tokenizer = load_model_tokenizer(name_or_path)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ConfigError(f"model {name_or_path!r} has {vocab} embeddings but its tokenizer has {len(tokenizer)} tokens")
-    return LoadedModel(served_name or spec.name, model, tokenizer, spec, dtype, model_fingerprint(name_or_path, dtype, seed))
+    fingerprint = model_fingerprint(name_or_path, dtype, seed)
+    if device != "cpu" and not is_checkpoint(path):
+        fingerprint += f"|init={torch.device(device).type}"
+    return LoadedModel(served_name or spec.name, model, tokenizer, spec, dtype, fingerprint)
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -97,7 +97,7 @@ class ModelRunner:
         gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
                          generator=make_generator(params))
         payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
-        gen.cache = self.codec.decode(payloads)
+        gen.cache = self.codec.decode(payloads, reuse_buffer=True)  # the prefill below copies out of it
         gen.cached_tokens = len(payloads) * self.block_tokens
         gen.fetch_s = time.perf_counter() - t0
         rest = torch.tensor([gen.prompt_ids[gen.cached_tokens :]], dtype=torch.long)

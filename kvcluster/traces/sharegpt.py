@@ -53,6 +53,14 @@ class ShareGPTLoader:
     def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
              max_records: int | None = None) -> Trace:
         p = require_file(path, self.format)
+        convs, problems = self.conversations(p, strict=strict, max_records=max_records)
+        bs = block_size or DEFAULT_BLOCK_SIZE
+        return Trace(p.name, self.format, bs, tuple(conversations_to_requests(convs, bs)), tuple(problems.lines))
+
+    def conversations(self, path: str | Path, *, strict: bool = False,
+                      max_records: int | None = None) -> tuple[list[Conversation], Problems]:
+        """The file's conversations (split parts joined), before tokenization."""
+        p = require_file(path, self.format)
         problems = Problems(strict)
         sessions: dict[str, list[Message]] = {}
         for where, obj in json_records(p, problems, max_records):
@@ -61,6 +69,4 @@ class ShareGPTLoader:
                 problems.report(where, "needs id: str and conversations: [{from: str, value: str}]")
                 continue
             sessions.setdefault(root_id(obj["id"]), []).extend(messages)
-        bs = block_size or DEFAULT_BLOCK_SIZE
-        convs = [Conversation(root, tuple(msgs)) for root, msgs in sessions.items()]
-        return Trace(p.name, self.format, bs, tuple(conversations_to_requests(convs, bs)), tuple(problems.lines))
+        return [Conversation(root, tuple(msgs)) for root, msgs in sessions.items()], problems

@@ -62,6 +62,15 @@ class SWEAgentLoader:
     def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
              max_records: int | None = None) -> Trace:
         p = require_path(path)
+        convs, problems = self.conversations(p, strict=strict, max_records=max_records)
+        bs = block_size or DEFAULT_BLOCK_SIZE
+        requests = conversations_to_requests(convs, bs, agent=True)
+        return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))
+
+    def conversations(self, path: str | Path, *, strict: bool = False,
+                      max_records: int | None = None) -> tuple[list[Conversation], Problems]:
+        """One conversation per trajectory file (its `history`), before tokenization."""
+        p = require_path(path)
         files = sorted(p.rglob("*.traj")) if p.is_dir() else [p]
         problems = Problems(strict)
         convs = []
@@ -77,6 +86,4 @@ class SWEAgentLoader:
             messages = _messages(f, doc["history"], problems)
             if messages is not None:
                 convs.append(Conversation(f.relative_to(p).as_posix() if p.is_dir() else f.name, tuple(messages)))
-        bs = block_size or DEFAULT_BLOCK_SIZE
-        requests = conversations_to_requests(convs, bs, agent=True)
-        return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))
+        return convs, problems

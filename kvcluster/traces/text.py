@@ -64,16 +64,8 @@ def conversations_to_requests(convs: Sequence[Conversation], block_size: int, *,
                               space: KeySpace | None = None) -> list[TraceRequest]:
     """Tokenize every message in one batch, cut each assistant turn into a request, label them."""
     space = space or KeySpace(model="trace:text")
-    tokenizer = load_fast_tokenizer()
-    bos = tokenizer.token_to_id(BOS)
-    headers = {role: tokenizer.encode(f"<|{role}|>\n", add_special_tokens=False).ids
-               for role in {m.role for c in convs for m in c.messages}}
-    contents = tokenizer.encode_batch([m.content + END for c in convs for m in c.messages], add_special_tokens=False)
     turns: list[_Turn] = []
-    at = 0
-    for k, conv in enumerate(convs):
-        encoded = [e.ids for e in contents[at : at + len(conv.messages)]]
-        at += len(conv.messages)
+    for k, (conv, encoded, headers, bos) in enumerate(_encode(convs)):
         turns += _turns(conv, encoded, headers, bos, k * SESSION_GAP_S, block_size, space)
     turns.sort(key=lambda t: t.arrival_s)
     classifier = PrefixClassifier(block_size, agent=agent)
@@ -86,12 +78,12 @@ def conversations_to_requests(convs: Sequence[Conversation], block_size: int, *,
     return requests
 
 
-def _turns(conv: Conversation, encoded: list[list[int]], headers: dict[str, list[int]], bos: int, start_s: float,
-           block_size: int, space: KeySpace) -> list[_Turn]:
-    """The whole conversation is keyed and typed once; each turn takes its prefix."""
+def _conversation_tokens(conv: Conversation, encoded: list[list[int]], headers: dict[str, list[int]], bos: int
+                         ) -> tuple[list[int], list[tuple[BlockType, int]], list[tuple[int, int]]]:
+    """The whole conversation's token ids, typed spans, and (prompt length, answer length) per assistant turn."""
     tokens: list[int] = [bos]
     spans: list[tuple[BlockType, int]] = [(conv.messages[0].block_type if conv.messages else BlockType.HISTORY, 1)]
-    asks: list[tuple[int, int]] = []  # (prompt length, answer length) per assistant turn
+    asks: list[tuple[int, int]] = []
     for message, content in zip(conv.messages, encoded):
         header = headers[message.role]
         if message.role == "assistant" and len(tokens) > 1:  # a turn needs a message before it
@@ -102,6 +94,34 @@ def _turns(conv: Conversation, encoded: list[list[int]], headers: dict[str, list
             spans += [(BlockType.HISTORY, len(header)), (message.block_type, len(content))]
         else:
             spans.append((message.block_type, len(header) + len(content)))
+    return tokens, spans, asks
+
+
+def _encode(convs: Sequence[Conversation]):
+    tokenizer = load_fast_tokenizer()
+    bos = tokenizer.token_to_id(BOS)
+    headers = {role: tokenizer.encode(f"<|{role}|>\n", add_special_tokens=False).ids
+               for role in {m.role for c in convs for m in c.messages}}
+    contents = tokenizer.encode_batch([m.content + END for c in convs for m in c.messages], add_special_tokens=False)
+    at = 0
+    for conv in convs:
+        yield conv, [e.ids for e in contents[at : at + len(conv.messages)]], headers, bos
+        at += len(conv.messages)
+
+
+def turn_prompts(convs: Sequence[Conversation]) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, (prompt token ids, answer length) of each assistant turn: a live replay's requests."""
+    out = []
+    for conv, encoded, headers, bos in _encode(convs):
+        tokens, _, asks = _conversation_tokens(conv, encoded, headers, bos)
+        out.append([(tokens[:prompt], answer) for prompt, answer in asks])
+    return out
+
+
+def _turns(conv: Conversation, encoded: list[list[int]], headers: dict[str, list[int]], bos: int, start_s: float,
+           block_size: int, space: KeySpace) -> list[_Turn]:
+    """The whole conversation is keyed and typed once; each turn takes its prefix."""
+    tokens, spans, asks = _conversation_tokens(conv, encoded, headers, bos)
     keys = tuple(space.chain_token_ids(np.asarray(tokens, dtype="<i4"), block_size))
     types = tuple(majority_block_types(spans, block_size))
     out = []
