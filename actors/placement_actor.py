@@ -2,10 +2,12 @@
 
 Each round costs a fixed handful of remote calls: one index view, one
 predictor snapshot, one `describe` per tier actor (gathered together), then
-per (source, destination) pair one `get_many`, one `put_many` and one
-`delete`. Bytes between nodes travel as Ray objects (the measured fallback;
-the NIXL path is the rdma tier's read). A source is deleted only for keys its
-destination acknowledged, so a referenced block is never in zero places.
+per (source, destination) pair one copy and one `delete`. Between nodes, from a
+memory tier, the copy is the destination's `pull`: its NIXL agent reads the
+source's slab directly (UCX; loopback on this machine). Within a node, or when
+NIXL cannot serve a pair, bytes travel as Ray objects (`get_many` + `put_many`,
+the measured fallback). A source is deleted only for keys its destination
+acknowledged, so a referenced block is never in zero places.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from kvcluster.block_types import BlockType, TransitionType, pair_index
 from kvcluster.placement import Migration, PlacementConfig, group_moves, plan_moves
 from kvcluster.predictor import PredictorSnapshot
 
+from . import metrics
 from .index_actor import INDEX_NAME, NAMESPACE
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import actor_name
 
 PLACEMENT_NAME = "kvcluster/placement"
 DEFAULT_PAIR = pair_index(int(BlockType.HISTORY), int(TransitionType.FIRST))
+NIXL_TIERS = ("dram", "cxl")  # tiers whose pool other nodes read over NIXL
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -39,6 +43,7 @@ class PlacementController:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self._lock = threading.Lock()  # the background loop and remote `step` calls take turns
+        self._block_bytes: dict = {}
 
     def migrate(self, keys: list[bytes], node: str) -> None:
         """Ask for a session's blocks to be on `node` by the next round."""
@@ -57,6 +62,7 @@ class PlacementController:
         holdings, pairs = ray.get(view, timeout=30)
         snap: PredictorSnapshot = ray.get(snap_ref, timeout=30)
         capacity = {(d["node"], d["tier"]): d["capacity_blocks"] for d in described}
+        self._block_bytes = {(d["node"], d["tier"]): d.get("slot_bytes", 0) for d in described}
         migrations, self._pending = self._pending, []
         try:
             return self._carry_out(actors, holdings, pairs, snap, capacity, migrations)
@@ -71,6 +77,14 @@ class PlacementController:
         for (src, dst), group in group_moves(moves).items():
             to_copy = [m.key for m in group if m.copy]
             acked: set[bytes] = {m.key for m in group if not m.copy}
+            via: Counter = Counter()
+            if to_copy and src[0] != dst[0] and src[1] in NIXL_TIERS:
+                stored = ray.get(actors[dst].pull.remote(actor_name(*src), to_copy,
+                                                         [pairs.get(k, DEFAULT_PAIR) for k in to_copy]), timeout=120)
+                acked.update(k for k, good in zip(to_copy, stored) if good)
+                via["nixl"] += sum(bool(g) for g in stored)
+                done["put_refused"] += sum(g is False for g in stored)
+                to_copy = [k for k, g in zip(to_copy, stored) if g is None]  # unread over NIXL: try the object store
             if to_copy:
                 payloads = ray.get(actors[src].get_many.remote(to_copy), timeout=60)
                 present = [(k, p) for k, p in zip(to_copy, payloads) if p is not None]
@@ -81,12 +95,22 @@ class PlacementController:
                                                              [pairs.get(k, DEFAULT_PAIR) for k in ks]), timeout=60)
                     acked.update(k for k, good in zip(ks, ok) if good)
                     done["put_refused"] += sum(not good for good in ok)
+                    via["object_store"] += sum(ok)
             drop = [m.key for m in group if m.drop_source and m.key in acked]
             if drop:
                 ray.get(actors[src].delete.remote(drop), timeout=60)
             for m in group:
                 if m.key in acked:
                     done[m.reason] += 1
+                    if m.reason in ("demote", "spill") and m.drop_source:
+                        metrics.evictions().inc(1, {"node": src[0], "tier": src[1], "unit": "block"})
+                    if m.reason == "promote":
+                        metrics.prefetches().inc(1, {"outcome": "issued"})
+            for how, blocks in via.items():
+                done[f"{how}_blocks"] += blocks
+                if blocks:
+                    metrics.bytes_moved().inc(blocks * self._block_bytes.get(src, 0),
+                                              {"src": f"{src[0]}/{src[1]}", "dst": f"{dst[0]}/{dst[1]}", "how": how})
         done["planned"] = len(moves)
         self.totals.update(done)
         return dict(done)

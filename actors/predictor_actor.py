@@ -14,7 +14,10 @@ from pathlib import Path
 
 import ray
 
+from kvcluster.block_types import BlockType, TransitionType, pair_index
 from kvcluster.predictor import PredictorConfig, PredictorSnapshot, ReusePredictor
+
+from . import metrics
 
 PREDICTOR_NAME = "kvcluster/predictor"
 
@@ -36,7 +39,18 @@ class PredictorActor:
         self._batches += 1
         if self._batches % self.every == 0:
             self.checkpoint()
+        self._publish()
         return self.predictor.version
+
+    def _publish(self) -> None:
+        """Posterior means as gauges: what the dashboard shows per (block type, transition)."""
+        snap = self.predictor.snapshot()
+        gauge = metrics.posterior_mean()
+        for bt in BlockType:
+            for tr in TransitionType:
+                i = pair_index(bt, tr)
+                gauge.set(snap.alpha[i] / (snap.alpha[i] + snap.beta[i]),
+                          {"block_type": bt.name.lower(), "transition": tr.name.lower()})
 
     def snapshot(self) -> PredictorSnapshot:
         return self.predictor.snapshot()

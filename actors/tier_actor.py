@@ -4,6 +4,12 @@ Named `kvcluster/<node>/<tier>`, pinned to its node, restarted on failure. A
 restart comes back empty for memory tiers (their blocks become misses, and the
 index is told); the nvme and pfs tiers reopen their directory. Every put and
 delete is reported to the index actor in one batched, fire-and-forget call.
+
+Memory tiers (dram, cxl) also lend their pool to other nodes over NIXL: the
+`connect`/`lookup`/`reserve`/`commit`/`release`/`usage` batch calls are the rdma
+peer protocol, served from the very slab and slot table the tier uses. `pull`
+copies blocks from another node's memory tier into this one: one control call to
+the source, then the bytes move node to node in one NIXL read per batch.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvcluster.storage import NVMeBackend, PFSBackend, cxl_backend, dram_backend
+from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, StorageError, cxl_backend, dram_backend
 
+from . import metrics
 from .index_actor import INDEX_NAME, NAMESPACE
 
 
@@ -51,6 +58,9 @@ class TierActor:
         self.cfg = TierActorConfig.model_validate(config)
         self.backend = _backend(self.cfg)
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+        self._nixl: NixlPeerPool | None = None
+        self._peers: dict[str, RDMABackend] = {}
+        self._pulled = 0
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.index.lost.remote(self.cfg.node, self.cfg.tier)
 
@@ -60,25 +70,106 @@ class TierActor:
         if stored:
             kept = None if pairs is None else [p for p, good in zip(pairs, ok) if good]
             self.index.stored.remote(self.cfg.node, self.cfg.tier, stored, kept)
+        if len(stored) < len(keys):
+            metrics.faults().inc(len(keys) - len(stored), {"component": self._where, "kind": "put_refused"})
+        self._report_bytes()
         return ok
 
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
+        corrupt_before = self.backend.stats().get("corrupt", 0)
         got = self.backend.get_many(keys)
         bad = [k for k, g in zip(keys, got) if g is None]
         if bad:  # missing or corrupt here: make sure nobody is sent here for it again
             self.index.removed.remote(self.cfg.node, self.cfg.tier, bad)
+        corrupt = self.backend.stats().get("corrupt", 0) - corrupt_before
+        tags = {"node": self.cfg.node, "tier": self.cfg.tier}
+        if len(keys) > len(bad):
+            metrics.tier_lookups().inc(len(keys) - len(bad), {**tags, "outcome": "hit"})
+        if len(bad) > corrupt:
+            metrics.tier_lookups().inc(len(bad) - corrupt, {**tags, "outcome": "miss"})
+        if corrupt:
+            metrics.tier_lookups().inc(corrupt, {**tags, "outcome": "corrupt"})
+            metrics.faults().inc(corrupt, {"component": self._where, "kind": "corrupt"})
+            self._report_bytes()
         return got
 
     def delete(self, keys: list[bytes]) -> int:
         n = self.backend.delete(keys)
         self.index.removed.remote(self.cfg.node, self.cfg.tier, keys)
+        self._report_bytes()
         return n
 
+    @property
+    def _where(self) -> str:
+        return f"{self.cfg.node}/{self.cfg.tier}"
+
+    def _report_bytes(self) -> None:
+        tags = {"node": self.cfg.node, "tier": self.cfg.tier}
+        metrics.tier_bytes().set(self.backend.used_bytes, {**tags, "kind": "used"})
+        metrics.tier_bytes().set(self.backend.capacity_bytes, {**tags, "kind": "capacity"})
+
     def stats(self) -> dict:
-        return self.backend.stats()
+        return {**self.backend.stats(), "nixl_pulled_blocks": self._pulled}
+
+    # ---- NIXL: this tier's pool as a peer of other nodes -------------------------------------------------
+
+    def _export(self) -> NixlPeerPool:
+        if self.cfg.tier not in ("dram", "cxl"):
+            raise ValueError(f"the {self.cfg.tier} tier is not a memory pool other nodes can read over NIXL")
+        if self._nixl is None:
+            self._nixl = NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes, name=f"kvc-{self.cfg.node}-{self.cfg.tier}",
+                                      pool=self.backend.pool, table=self.backend.table)
+        return self._nixl
+
+    def connect(self, client_metadata: bytes):
+        return self._export().connect(client_metadata)
+
+    def lookup(self, keys: list[bytes]):
+        return self._export().lookup(keys)
+
+    def reserve(self, keys: list[bytes], lengths: list[int]):
+        return self._export().reserve(keys, lengths)
+
+    def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None:
+        self._export().commit(keys, slots, lengths, digests)
+        self.index.stored.remote(self.cfg.node, self.cfg.tier, keys)
+
+    def release(self, keys: list[bytes]) -> int:
+        return self.delete(keys)
+
+    def usage(self) -> int:
+        return self.backend.used_bytes
+
+    def pull(self, source: str, keys: list[bytes], pairs: list[int] | None = None,
+             staging_bytes: int = 64 << 20) -> list[bool | None]:
+        """Copy `keys` from the memory tier actor named `source` (another node) into this tier over NIXL.
+
+        Per key: True stored here, False refused here, None missing or unreadable at the source.
+        """
+        from .peer_pool_actor import ActorPeerControl
+
+        try:
+            peer = self._peers.get(source)
+            if peer is None:
+                handle = ray.get_actor(source, namespace=NAMESPACE)
+                peer = self._peers[source] = RDMABackend(ActorPeerControl(handle, timeout_s=30), staging_bytes, 1,
+                                                         name=f"kvc-pull-{self.cfg.node}-{self.cfg.tier}-{len(self._peers)}")
+            got = peer.get_many(keys)
+        except (StorageError, ValueError):  # source gone or not NIXL-capable: nothing moved
+            self._peers.pop(source, None)
+            return [None] * len(keys)
+        present = [i for i, g in enumerate(got) if g is not None]
+        ok = self.put_many([keys[i] for i in present], [got[i] for i in present],
+                           None if pairs is None else [pairs[i] for i in present])
+        self._pulled += sum(ok)
+        out: list[bool | None] = [None] * len(keys)
+        for i, good in zip(present, ok):
+            out[i] = good
+        return out
 
     def describe(self) -> dict:
         """Where this tier is and how many blocks it can hold (the placement controller's capacity)."""
-        return {"node": self.cfg.node, "tier": self.cfg.tier,
+        self._report_bytes()
+        return {"node": self.cfg.node, "tier": self.cfg.tier, "slot_bytes": self.cfg.slot_bytes,
                 "capacity_blocks": self.backend.capacity_bytes // self.cfg.slot_bytes,
                 "used_blocks": self.backend.used_bytes // self.cfg.slot_bytes}

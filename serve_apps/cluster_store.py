@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import ray
 
+from actors import metrics
 from actors.index_actor import INDEX_NAME, NAMESPACE
 from actors.predictor_actor import PREDICTOR_NAME
 from actors.tier_actor import actor_name
@@ -48,9 +49,10 @@ class ClusterBlockStore:
             self._actors[loc] = ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
         return self._actors[loc]
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
-        local = self.hbm.fetch(keys)
+    def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        local = self.hbm.fetch(keys, out)
         self.counters["hbm"] += len(local)
+        self._count_hbm(len(keys), len(local))
         rest = list(keys[len(local):])
         if not rest:
             return local
@@ -59,6 +61,7 @@ class ClusterBlockStore:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("index unavailable (%s): serving the hbm run only", type(exc).__name__)
             self.counters["remote_failures"] += 1
+            metrics.faults().inc(1, {"component": "replica", "kind": "index_unavailable"})
             return local
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for j in range(match.length):
@@ -77,6 +80,7 @@ class ClusterBlockStore:
             except (ray.exceptions.RayError, TimeoutError):
                 self._actors.pop(loc, None)
                 self.counters["remote_failures"] += 1
+                metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
         run: list[np.ndarray] = []
         for j in range(match.length):
             payload = got.get(j)
@@ -86,7 +90,20 @@ class ClusterBlockStore:
             self.counters[self._choose(match.locations[j])[1]] += 1
         if run:
             self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
+            by_source: dict[str, int] = defaultdict(int)
+            for j, payload in enumerate(run):
+                node, tier = self._choose(match.locations[j])
+                by_source[f"{node}/{tier}"] += payload.nbytes
+            for src, nbytes in by_source.items():
+                metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
         return local + run
+
+    def _count_hbm(self, asked: int, hits: int) -> None:
+        tags = {"node": self.node or "local", "tier": "hbm"}
+        if hits:
+            metrics.tier_lookups().inc(hits, {**tags, "outcome": "hit"})
+        if asked > hits:
+            metrics.tier_lookups().inc(asked - hits, {**tags, "outcome": "miss"})
 
     def _choose(self, locations) -> tuple[str, str]:
         """This node's fastest copy, else the fastest copy anywhere."""
@@ -102,7 +119,11 @@ class ClusterBlockStore:
             try:
                 self._actor(self.node, self.write_tier).put_many.remote(
                     [keys[j] for j in new], [payloads[j] for j in new], None if pairs is None else [pairs[j] for j in new])
+                metrics.bytes_moved().inc(sum(payloads[j].nbytes for j in new),
+                                          {"src": f"{self.node}/hbm", "dst": f"{self.node}/{self.write_tier}",
+                                           "how": "write_through"})
             except ValueError:
                 self._actors.pop((self.node, self.write_tier), None)
+                metrics.faults().inc(1, {"component": f"{self.node}/{self.write_tier}", "kind": "actor_unavailable"})
         if pairs is not None and keys:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())

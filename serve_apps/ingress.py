@@ -26,13 +26,17 @@ from kvcluster.serving.chat import render_chat
 from kvcluster.serving.models import model_fingerprint, load_model_tokenizer
 from kvcluster.model_spec import load_model_spec
 
+from actors import metrics
+
 from .config import ServeAppConfig
+from .metrics_middleware import RequestMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, chat_body, chat_chunk, completion_body, error_body,
                        new_id, usage)
 from .replica import cache_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvcluster OpenAI-compatible API")
+app.add_middleware(RequestMetrics)
 
 
 class APIError(Exception):
@@ -254,6 +258,7 @@ class OpenAIIngress:
                                        {**completion_body(rid, name, "", None, use, chunk=True), "choices": []})
             except Exception as exc:  # the replica died mid-stream: say so in-band, then end the stream
                 log.warning("stream %s failed: %s", rid, exc)
+                metrics.faults().inc(1, {"component": "ingress", "kind": "stream_failed"})
                 yield _sse(error_body(f"generation failed: {type(exc).__name__}", kind="server_error"))
             yield _sse("[DONE]")
 

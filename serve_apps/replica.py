@@ -27,6 +27,8 @@ from kvcluster.serving.sampling import SamplingParams
 from kvcluster.storage import hbm_backend
 from kvcluster.storage.tiered import TieredStore
 
+from actors import metrics
+
 from .cluster_store import ClusterBlockStore
 from .config import ServeAppConfig
 
@@ -61,6 +63,8 @@ class KVReplica:
         else:
             runner.store = hbm
         self.runner = runner
+        self._hbm = hbm
+        self._evictions_reported = 0
         self._model_lock = threading.Lock()  # one forward at a time; requests interleave between steps
         self.served = 0
 
@@ -77,6 +81,8 @@ class KVReplica:
         except RequestTooLong as exc:
             yield {"type": "error", "message": str(exc)}
             return
+        metrics.ttft().observe(gen.ttft_s, {"model": self.cfg.name})
+        metrics.cached_tokens().observe(gen.cached_tokens, {"model": self.cfg.name})
         yield {"type": "start", "prompt_tokens": len(gen.prompt_ids), "cached_tokens": gen.cached_tokens,
                "ttft_s": gen.ttft_s, "fetch_s": gen.fetch_s, "node": self.node}
         try:
@@ -90,8 +96,21 @@ class KVReplica:
         finally:
             await asyncio.to_thread(self._locked, self.runner.finish, gen)
             self.served += 1
+            self._report_hbm()
         yield {"type": "end", "finish_reason": gen.finish_reason, "completion_tokens": gen.completion_tokens,
                "stored_blocks": gen.stored_blocks}
+
+    def _report_hbm(self) -> None:
+        """The replica's own tier (hbm): bytes, and evictions since the last report."""
+        tiered = self._hbm.tiered
+        backend = tiered.backends[0]
+        tags = {"node": self.node or "local", "tier": "hbm"}
+        metrics.tier_bytes().set(backend.used_bytes, {**tags, "kind": "used"})
+        metrics.tier_bytes().set(backend.capacity_bytes, {**tags, "kind": "capacity"})
+        new = tiered.evictions[0] - self._evictions_reported
+        if new:
+            metrics.evictions().inc(new, {**tags, "unit": "block"})
+            self._evictions_reported += new
 
     def info(self) -> dict:
         store = self.runner.store

@@ -135,3 +135,32 @@ def test_cluster_cli_without_a_cluster_is_one_clear_line() -> None:
                           "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no Ray cluster at --address '127.0.0.1:1'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
+    """A session's blocks move from the head's dram to node B's dram: B's NIXL agent reads the head's slab."""
+    from actors.placement_actor import PlacementController
+    from actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+
+    c, _, node_b, tmp = cluster
+    head_id = ray.get_runtime_context().get_node_id()
+    index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
+    predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "mig"))
+    cfg = dict(slots=8, slot_bytes=1 << 16)
+    head_dram = TierActor.options(name="kvcluster/h/dram", namespace=NAMESPACE, scheduling_strategy=pinned(head_id)
+                                  ).remote(TierActorConfig(node="h", tier="dram", **cfg).model_dump())
+    b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
+                               scheduling_strategy=pinned(node_b.node_id)).remote(
+        TierActorConfig(node="b", tier="dram", **cfg).model_dump())
+    data = [np.random.default_rng(10 + i).integers(0, 255, 40_000, dtype=np.uint8) for i in range(len(KEYS))]
+    assert ray.get(head_dram.put_many.remote(KEYS, data)) == [True] * 4
+    controller = PlacementController.remote([("h", "dram"), ("b", "dram")], {"high_water": 0.99, "low_water": 0.9})
+    ray.get(controller.migrate.remote(KEYS[:3], "b"))
+    done = ray.get(controller.step.remote(), timeout=120)
+    assert done["migrate"] == 3 and done["nixl_blocks"] == 3 and not done.get("object_store_blocks")
+    got = ray.get(b_dram.get_many.remote(KEYS[:3]))
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # checksummed bytes, moved node to node
+    assert ray.get(b_dram.stats.remote())["nixl_pulled_blocks"] == 3
+    held = wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations)
+    assert ("b", "dram") in held[0] and ("h", "dram") in held[0]  # copy first: the source keeps its copy
+    del predictor

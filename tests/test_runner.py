@@ -106,8 +106,8 @@ class WrongSizeStore:
     def __init__(self, inner):
         self.inner = inner
 
-    def fetch(self, keys):
-        got = self.inner.fetch(keys)
+    def fetch(self, keys, out=None):
+        got = self.inner.fetch(keys, out)
         return got[:2] + [got[2][:100]] + got[3:] if len(got) > 3 else got
 
     def store(self, keys, payloads, pairs=None):

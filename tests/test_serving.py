@@ -24,6 +24,7 @@ from serve_apps.app import build_app  # noqa: E402
 MODEL = "kvcluster-tiny-llama"
 SECURE_MODEL = "kvcluster-tiny-sliding"
 API_KEY = "sk-test-tenant-a"
+METRICS: dict = {}
 DOC = "Ray Serve routes each request to a replica that already holds its prefix. " * 12
 
 
@@ -45,11 +46,14 @@ def endpoint():
         f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
                 f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.05}}\n"
                 f"      - {{tier: pfs, capacity_gib: 0.1, path: {tmp}/pfs}}\n")
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    METRICS["port"] = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             _temp_dir=tmp, log_to_driver=False)
+             _temp_dir=tmp, log_to_driver=False, _metrics_export_port=METRICS["port"])
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": MODEL, "cluster": cluster, "replica_cpus": 0.5, "max_tokens_limit": 512}),
+    serve.run(build_app({"model": MODEL, "cluster": cluster, "replica_cpus": 0.5, "max_tokens_limit": 512,
+                         "hbm_blocks": 48}),
               name="default", route_prefix="/")
     serve.run(build_app({"model": SECURE_MODEL, "cluster": None, "replica_cpus": 0.5, "api_keys": [API_KEY]}),
               name="secure", route_prefix="/secure")
@@ -193,3 +197,24 @@ def test_api_keys_and_sliding_window_model(endpoint):
     assert a.choices[0].text == local.complete(ids, SamplingParams(max_tokens=10, temperature=0)).text
     r = httpx.get(f"{endpoint}/secure/v1/models")
     assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
+
+
+EXPECTED_METRICS = ["ray_kvcluster_tier_bytes", "ray_kvcluster_tier_lookups", "ray_kvcluster_bytes_moved",
+                    "ray_kvcluster_evictions", "ray_kvcluster_predictor_posterior_mean", "ray_kvcluster_ttft_seconds",
+                    "ray_kvcluster_cached_tokens", "ray_kvcluster_requests"]
+
+
+def test_metrics_endpoint_shows_the_cache_after_traffic(client):
+    """Real traffic, then Ray's metrics export: every kvcluster metric the traffic touches is there."""
+    import time
+
+    for i in range(6):  # distinct prompts overflow the replica's 48-block hbm tier: evictions
+        client.completions.create(model=MODEL, prompt=f"metrics {i}: " + DOC, max_tokens=2, temperature=0)
+    deadline, text, missing = time.monotonic() + 60, "", EXPECTED_METRICS
+    while missing and time.monotonic() < deadline:
+        time.sleep(2)
+        text = httpx.get(f"http://127.0.0.1:{METRICS['port']}/metrics", timeout=30).text
+        missing = [m for m in EXPECTED_METRICS if m not in text]
+    assert not missing, f"missing {missing}"
+    assert 'tier="dram"' in text and 'outcome="hit"' in text and 'how="write_through"' in text
+    assert 'endpoint="/v1/completions",status="200"' in text or 'status="200"' in text

@@ -21,8 +21,8 @@ from ..storage.tiered import TieredStore
 
 
 class BlockStore(Protocol):
-    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
-        """Payloads of the longest cached, verified prefix of `keys`."""
+    def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Payloads of the longest cached, verified prefix of `keys` (read into `out[j]` where the store can)."""
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None) -> None:
@@ -38,9 +38,9 @@ class LocalBlockStore:
         self._lock = threading.Lock()
         self._requests = 0
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
+    def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         with self._lock:
-            result = self.tiered.fetch(keys)
+            result = self.tiered.fetch(keys, out)
             fetched = list(result.payloads)
             self._commit(keys[: len(fetched)], [None] * len(fetched))  # the hits count as uses now
             return fetched

@@ -33,6 +33,7 @@ class KVCodec:
         self.block_bytes = layout.nbytes()
         self.block_shape = layout.shape()
         self._staging = torch.empty(0, dtype=self.dtype)  # reused restore buffer: no page faults per request
+        self._landing = np.empty((0, self.block_bytes), dtype=np.uint8)  # where fetched payloads land
         self._layer_kinds: list | None = None
         self._replicate = None
 
@@ -112,6 +113,12 @@ class KVCodec:
             for pos, i in enumerate(lay.layers):
                 self._set(cache.layers[i], whole[pos, 0], whole[pos, 1])
         return cache
+
+    def landing(self, blocks: int) -> np.ndarray:
+        """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch)."""
+        if self._landing.shape[0] < blocks:
+            self._landing = np.empty((blocks, self.block_bytes), dtype=np.uint8)
+        return self._landing[:blocks]
 
     def _buffer(self, shape: tuple[int, ...], reuse: bool) -> torch.Tensor:
         """The staging buffer viewed as `shape` (a fresh tensor unless reusing)."""

@@ -11,6 +11,7 @@ finds its whole history.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -69,7 +70,11 @@ class ModelRunner:
         self.store = store
         self.block_tokens = block_tokens
         self.layout = layout_for(loaded.spec, block_tokens, loaded.dtype)
-        self.codec = KVCodec(self.layout, loaded.model.config)
+        self.device = next(loaded.model.parameters()).device
+        self.codec = KVCodec(self.layout, loaded.model.config, device=self.device)
+        # transformers >= 5.20 names the cache argument `cache`; earlier 5.x (e.g. a GPU image's 5.17) `past_key_values`
+        params = inspect.signature(loaded.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keys = KeySpace(model=loaded.fingerprint, root_seed=root_seed)
         self._stop_holdback = 0
 
@@ -95,13 +100,12 @@ class ModelRunner:
         self.check_fits(len(prompt_ids), params.max_tokens)
         t0 = time.perf_counter()
         gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
-                         generator=make_generator(params))
+                         generator=make_generator(params, self.device))
         payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
         gen.cache = self.codec.decode(payloads, reuse_buffer=True)  # the prefill below copies out of it
         gen.cached_tokens = len(payloads) * self.block_tokens
         gen.fetch_s = time.perf_counter() - t0
-        rest = torch.tensor([gen.prompt_ids[gen.cached_tokens :]], dtype=torch.long)
-        out = self.loaded.model(input_ids=rest, cache=gen.cache, use_cache=True)
+        out = self._forward(gen.prompt_ids[gen.cached_tokens :], gen.cache)
         self._accept(gen, next_token(out.logits[0, -1], params, gen.generator))
         gen.ttft_s = time.perf_counter() - t0
         return gen
@@ -111,8 +115,7 @@ class ModelRunner:
         """Decode one more token."""
         if gen.done:
             return
-        last = torch.tensor([[gen.output_ids[-1]]], dtype=torch.long)
-        out = self.loaded.model(input_ids=last, cache=gen.cache, use_cache=True)
+        out = self._forward([gen.output_ids[-1]], gen.cache)
         self._accept(gen, next_token(out.logits[0, -1], gen.params, gen.generator))
 
     def new_text(self, gen: Generation) -> str:
@@ -170,6 +173,10 @@ class ModelRunner:
 
     # ---- internals -------------------------------------------------------------------------------------
 
+    def _forward(self, token_ids: Sequence[int], cache):
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        return self.loaded.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+
     def _fetch_prefix(self, prompt_ids: list[int], cache_salt: str) -> list[np.ndarray]:
         if self.store is None:
             return []
@@ -177,7 +184,7 @@ class ModelRunner:
         keys = self.block_keys(prompt_ids[: usable * self.block_tokens], cache_salt)
         if not keys:
             return []
-        payloads = self.store.fetch(keys)
+        payloads = self.store.fetch(keys, self.codec.landing(len(keys)))  # decoded (copied) before the next fetch
         good = []
         for p in payloads[:usable]:
             if not self.codec.check(p):  # wrong size: a miss from here on, never wrong KV

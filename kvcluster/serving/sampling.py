@@ -17,10 +17,11 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token (benchmarks).")
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's random stream, on the device the logits live on."""
     if params.temperature == 0.0:
         return None
-    gen = torch.Generator()
+    gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else torch.seed())
     return gen
 

@@ -49,12 +49,14 @@ class PeerControl(Protocol):
 class NixlPeerPool:
     """A host pool lent to other nodes: NIXL-registered slab + slot table (owner side)."""
 
-    def __init__(self, slots: int, slot_bytes: int, name: str | None = None) -> None:
+    def __init__(self, slots: int, slot_bytes: int, name: str | None = None, *, pool: torch.Tensor | None = None,
+                 table: SlotTable | None = None) -> None:
+        """A new slab, or (`pool`, `table`) of an existing memory tier lent as they are (no copy)."""
         self.slot_bytes = slot_bytes
-        self.pool = torch.zeros((slots, slot_bytes), dtype=torch.uint8)
+        self.pool = torch.zeros((slots, slot_bytes), dtype=torch.uint8) if pool is None else pool
         self.agent = _agent(name or f"kvc-pool-{uuid.uuid4().hex[:8]}")
         self.agent.register_memory(self.pool)
-        self.table = SlotTable(slots)
+        self.table = SlotTable(slots) if table is None else table
         self._pending: dict[bytes, int] = {}
 
     def connect(self, client_metadata: bytes) -> tuple[bytes, bytes, int, str]:

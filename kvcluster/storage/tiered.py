@@ -42,6 +42,7 @@ class TieredStore:
         self._ids: dict[BlockKey, int] = {}
         self._keys: list[BlockKey] = []
         self._fetched: dict[int, np.ndarray] = {}
+        self.evictions = [0] * len(self.backends)  # blocks each tier gave up by policy decision, so far
 
     def _intern(self, keys: Sequence[BlockKey]) -> list[int]:
         ids = self._ids
@@ -54,8 +55,8 @@ class TieredStore:
             out.append(i)
         return out
 
-    def fetch(self, keys: Sequence[BlockKey]) -> FetchResult:
-        """Load the longest cached prefix of `keys`: one batched read per tier."""
+    def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> FetchResult:
+        """Load the longest cached prefix of `keys`: one batched read per tier (into `out[j]` when given)."""
         ids = self._intern(keys)
         tiers = self.hierarchy.prefix_tiers(ids)
         by_tier: dict[int, list[int]] = defaultdict(list)
@@ -63,7 +64,8 @@ class TieredStore:
             by_tier[tier].append(j)
         loaded: dict[int, np.ndarray | None] = {}
         for tier, positions in by_tier.items():
-            got = self.backends[tier].get_many([keys[j] for j in positions])
+            got = self.backends[tier].get_many([keys[j] for j in positions],
+                                               None if out is None else [out[j] for j in positions])
             loaded.update(zip(positions, got))
         payloads, names, corrupt = [], [], 0
         for j, tier in enumerate(tiers):
@@ -88,6 +90,9 @@ class TieredStore:
         payload.update((ids[j], p) for j, p in enumerate(new_payloads) if p is not None)
         ids = [i for i in ids if i in payload or self.hierarchy.locate(i) == 0]
         result = self.hierarchy.serve(ids, ctx)
+        for _, src, _ in result.demoted:
+            self.evictions[src] += 1
+        self.evictions[-1] += len(result.dropped)
         for block, src in result.promoted:  # their bytes are in `payload`: free the space below first
             self.backends[src].delete([self._keys[block]])
         self._delete_everywhere(result.dropped)

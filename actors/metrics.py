@@ -1,0 +1,74 @@
+"""kvcluster's metrics, through `ray.util.metrics`: the Ray dashboard and Prometheus see them.
+
+Names carry a `kvcluster_` prefix (Ray adds `ray_` on export). One process-wide
+instance per metric, created on first use; every record is one call with tags,
+so the request path adds no remote calls. Grafana: `configs/grafana/kvcluster-dashboard.json`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+TTFT_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+TOKEN_BOUNDS = [1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 32768]
+
+
+@lru_cache(maxsize=None)
+def tier_bytes() -> Gauge:
+    return Gauge("kvcluster_tier_bytes", "Bytes a tier holds (kind=used) and can hold (kind=capacity).",
+                 tag_keys=("node", "tier", "kind"))
+
+
+@lru_cache(maxsize=None)
+def tier_lookups() -> Counter:
+    return Counter("kvcluster_tier_lookups", "Block reads per tier by outcome (hit, miss, corrupt).",
+                   tag_keys=("node", "tier", "outcome"))
+
+
+@lru_cache(maxsize=None)
+def bytes_moved() -> Counter:
+    return Counter("kvcluster_bytes_moved", "Block bytes moved between tiers (src -> dst, how: nixl, object_store, "
+                   "promote, write_through).", tag_keys=("src", "dst", "how"))
+
+
+@lru_cache(maxsize=None)
+def evictions() -> Counter:
+    return Counter("kvcluster_evictions", "Blocks leaving a tier by policy decision (unit=block or head_shard).",
+                   tag_keys=("node", "tier", "unit"))
+
+
+@lru_cache(maxsize=None)
+def prefetches() -> Counter:
+    return Counter("kvcluster_prefetch", "Blocks promoted ahead of use by the placement controller (outcome=issued).",
+                   tag_keys=("outcome",))
+
+
+@lru_cache(maxsize=None)
+def posterior_mean() -> Gauge:
+    return Gauge("kvcluster_predictor_posterior_mean", "Mean of the Beta posterior of P(reuse) per pair.",
+                 tag_keys=("block_type", "transition"))
+
+
+@lru_cache(maxsize=None)
+def ttft() -> Histogram:
+    return Histogram("kvcluster_ttft_seconds", "Time to first token per request (replica side).",
+                     boundaries=TTFT_BOUNDS_S, tag_keys=("model",))
+
+
+@lru_cache(maxsize=None)
+def cached_tokens() -> Histogram:
+    return Histogram("kvcluster_cached_tokens", "Prompt tokens served from the cache per request.",
+                     boundaries=TOKEN_BOUNDS, tag_keys=("model",))
+
+
+@lru_cache(maxsize=None)
+def requests() -> Counter:
+    return Counter("kvcluster_requests", "Requests by endpoint and HTTP status.", tag_keys=("endpoint", "status"))
+
+
+@lru_cache(maxsize=None)
+def faults() -> Counter:
+    return Counter("kvcluster_faults", "Faults absorbed as misses (kind: actor_unavailable, corrupt, put_refused, "
+                   "index_unavailable, stream_failed).", tag_keys=("component", "kind"))
