@@ -3,10 +3,12 @@
 A `ray.cluster_utils.Cluster` with two worker nodes on this machine. Node A
 owns a NIXL-registered pool (`PeerPoolActor`) and a plain dram tier actor
 holding the same blocks. On node B, (1) the rdma tier actor reads them over
-NIXL (one control call + one NIXL transfer per batch), (2) a dram tier actor
-pulls them as Ray objects (`get_many` on A, `put_many` on B: the controller's
-path), and (3) a bare Ray call returning the same bytes as one numpy array is
-the reference. UCX runs over loopback here, so this compares software paths,
+NIXL (one control call + one NIXL transfer per batch), (2) B's dram tier actor
+`pull`s them from A's dram tier actor over NIXL into its own pool (what the
+placement controller does between nodes), (3) a dram tier actor pulls them as
+Ray objects (`get_many` on A, `put_many` on B: the controller's fallback), and
+(4) a bare Ray call returning the same bytes as one numpy array is the
+reference. UCX runs over loopback here, so this compares software paths,
 not an RDMA NIC.
 
     .venv/bin/python benchmarks/node_move.py [--blocks 32] [--block-kib 512] [--repeat 5] [--json]
@@ -91,7 +93,8 @@ def main() -> int:
             "a", args.blocks, size)
         assert all(ray.get(pool_a.put_local.remote(keys, data)))
         cfg = dict(slots=args.blocks, slot_bytes=size)
-        dram_a = TierActor.options(scheduling_strategy=on(a)).remote(TierActorConfig(node="a", tier="dram", **cfg).model_dump())
+        dram_a = TierActor.options(name="kvcluster/a/dram", namespace=NAMESPACE, scheduling_strategy=on(a)).remote(
+            TierActorConfig(node="a", tier="dram", **cfg).model_dump())
         dram_b = TierActor.options(scheduling_strategy=on(b)).remote(TierActorConfig(node="b", tier="dram", **cfg).model_dump())
         assert all(ray.get(dram_a.put_many.remote(keys, data)))
         rdma_b = RdmaTierActor.options(scheduling_strategy=on(b)).remote("b", "a", args.blocks * size + (1 << 20),
@@ -108,22 +111,27 @@ def main() -> int:
         assert ray.get(read_on_b.remote(rdma_b, keys)) == args.blocks  # warm-up: NIXL metadata exchanged once
         assert ray.get(mover.pull_objects.remote(dram_a, keys)) == args.blocks
         ray.get(mover.pull_raw.remote(blob))
+        assert all(ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)))  # warm-up of the tier-to-tier NIXL pull
         moved = args.blocks * size
         t_nixl = best(lambda: ray.get(read_on_b.remote(rdma_b, keys)), args.repeat)
+        t_pull = best(lambda: ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)), args.repeat)
         t_obj = best(lambda: ray.get(mover.pull_objects.remote(dram_a, keys)), args.repeat)
         t_raw = best(lambda: ray.get(mover.pull_raw.remote(blob)), args.repeat)
     finally:
         ray.shutdown()
         c.shutdown()
     gbs = lambda t: moved / t / 1e9  # noqa: E731
-    report = {"bytes": moved, "blocks": args.blocks, "nixl_gbps": gbs(t_nixl), "object_store_gbps": gbs(t_obj),
-              "raw_ray_object_gbps": gbs(t_raw), "nixl_vs_raw": t_raw / t_nixl, "object_store_vs_raw": t_raw / t_obj}
+    report = {"bytes": moved, "blocks": args.blocks, "nixl_gbps": gbs(t_nixl), "tier_pull_nixl_gbps": gbs(t_pull),
+              "object_store_gbps": gbs(t_obj), "raw_ray_object_gbps": gbs(t_raw), "nixl_vs_raw": t_raw / t_nixl,
+              "tier_pull_vs_raw": t_raw / t_pull, "object_store_vs_raw": t_raw / t_obj}
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"{args.blocks} blocks x {args.block_kib} KiB = {moved / 2**20:.0f} MiB from node A to node B, best of {args.repeat}")
     print("| path | GB/s | vs one raw Ray object |\n|---|---|---|")
     print(f"| NIXL (rdma tier, UCX loopback) | {report['nixl_gbps']:.2f} | {report['nixl_vs_raw']:.2f}x |")
+    print(f"| dram tier pull A -> B over NIXL (the controller's path) | {report['tier_pull_nixl_gbps']:.2f} | "
+          f"{report['tier_pull_vs_raw']:.2f}x |")
     print(f"| Ray object store (get_many A -> put_many B) | {report['object_store_gbps']:.2f} | {report['object_store_vs_raw']:.2f}x |")
     print(f"| raw: one {moved / 2**20:.0f} MiB numpy array as a Ray object | {report['raw_ray_object_gbps']:.2f} | 1.00x |")
     return 0
