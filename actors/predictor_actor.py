@@ -29,6 +29,8 @@ class PredictorActor:
         self.path = Path(checkpoint_dir) / "predictor.json"
         self.every = checkpoint_every
         self._batches = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            metrics.faults().inc(1, {"component": "predictor", "kind": "restarted"})
         if self.path.is_file():
             raw = json.loads(self.path.read_text())
             self.predictor.restore(PredictorSnapshot(raw["version"], tuple(raw["alpha"]), tuple(raw["beta"])))

@@ -61,6 +61,8 @@ class TierActor:
         self._nixl: NixlPeerPool | None = None
         self._peers: dict[str, RDMABackend] = {}
         self._pulled = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            metrics.faults().inc(1, {"component": self._where, "kind": "restarted"})
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.index.lost.remote(self.cfg.node, self.cfg.tier)
 

@@ -1,7 +1,8 @@
-"""`kvcluster` command line: size, capacity and replay reports.
+"""`kvcluster` command line: size, capacity, replay and report, and the cache actors of a Ray cluster.
 
 User mistakes (bad names, malformed files, bad numbers) print one line and
-exit 2; nothing a user types produces a traceback.
+exit 2; nothing a user types produces a traceback. Progress bars go to stderr,
+only when it is a terminal and the output is not --json.
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -114,8 +121,15 @@ def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
     return parse
 
 
+def _show_progress(args: argparse.Namespace) -> bool:
+    """--progress / --no-progress if given; else on when stderr is a terminal and stdout is not --json."""
+    if args.progress is not None:
+        return args.progress
+    return sys.stderr.isatty() and not getattr(args, "json", False)
+
+
 def _progress_factory(enabled: bool, total: int):
-    """A tqdm bar per replay on stderr when it is a terminal; nothing otherwise."""
+    """A tqdm bar per replay on stderr when enabled; nothing otherwise."""
     if not enabled:
         return lambda label: None
     from tqdm import tqdm
@@ -127,10 +141,22 @@ def _progress_factory(enabled: bool, total: int):
     return factory
 
 
+def _load_trace(args: argparse.Namespace):
+    """The trace of `replay` / `report`, with its skipped records listed on stderr."""
+    from .traces import load_trace
+
+    trace = load_trace(args.trace, format=args.format, block_size=args.block_size, strict=args.strict,
+                       max_records=args.max_records)
+    for line in trace.skipped[:5]:
+        print(f"skipped {line}", file=sys.stderr)
+    if len(trace.skipped) > 5:
+        print(f"skipped {len(trace.skipped) - 5} more malformed records", file=sys.stderr)
+    return trace
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from .replay import ReplayOptions, run_replay
     from .simulator import prepare
-    from .traces import load_trace
 
     policies = args.policies or ((args.policy,) if args.policy else ("lru", "bayes", "belady"))
     options = ReplayOptions(
@@ -143,13 +169,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         prefetch_lead_s=args.prefetch_lead_s,
     )
     options.validate()
-    trace = load_trace(args.trace, format=args.format, block_size=args.block_size, strict=args.strict)
-    for line in trace.skipped[:5]:
-        print(f"skipped {line}", file=sys.stderr)
-    if len(trace.skipped) > 5:
-        print(f"skipped {len(trace.skipped) - 5} more malformed records", file=sys.stderr)
+    trace = _load_trace(args)
     prepared = prepare(trace)
-    progress = _progress_factory(sys.stderr.isatty() and not args.no_progress, prepared.requests)
+    progress = _progress_factory(_show_progress(args), prepared.requests)
     report = run_replay(options, prepared, progress)
     report["format"] = trace.format
     report["skipped_records"] = len(trace.skipped)

@@ -180,8 +180,13 @@ def replay(
     heads: int = 1,
     head_importance: Sequence[float] | None = None,
     policy_options: dict | None = None,
+    observe: Callable[[int, Hierarchy, float | None], None] | None = None,
 ) -> ReplayResult:
     """Replay `trace` through a hierarchy of `policy` tiers; optionally project TTFT.
+
+    `observe(i, hierarchy, ttft_s)` is called after request `i` is served, with the
+    request's projected TTFT (None without a cost model); it must only read the
+    hierarchy (`kvcluster report` samples tier occupancy through it).
 
     With `heads > 1` every block is `heads` head shards and each tier holds
     capacity x heads shards; a block with some shards gone is a partial hit whose
@@ -238,6 +243,8 @@ def replay(
             ttfts.append(cost.ttft(per_tier, trace.input_tokens[i], recomputed_blocks=partial))
         if check_every and i % check_every == 0:
             hierarchy.check_integrity()
+        if observe is not None:
+            observe(i, hierarchy, ttfts[-1] if cost is not None else None)
         if progress is not None:
             progress(1)
     seconds = time.perf_counter() - started

@@ -32,6 +32,11 @@ class ServeAppConfig(BaseModel):
     max_ongoing_requests: int = Field(8, ge=1, description="Requests a replica interleaves; more wait in Serve.")
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    max_inflight_requests: int = Field(64, ge=1, description="Generation requests the ingress holds at once; "
+                                                             "more get 503 with Retry-After instead of queueing "
+                                                             "without bound.")
+    replica_retries: int = Field(1, ge=0, description="Times a request is re-sent when its replica dies before "
+                                                      "the first token (output is deterministic per request).")
     default_chat_max_tokens: int = Field(256, ge=1)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth "
                                                                   "(KVCLUSTER_API_KEYS=comma,separated also works).")

@@ -16,6 +16,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,14 +42,20 @@ app.add_middleware(RequestMetrics)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after_s = retry_after_s
+
+
+REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError):
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status)
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -76,6 +83,24 @@ async def _internal_error(_: Request, exc: Exception):
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", kind="server_error"), status_code=500)
 
 
+async def _gather(first: dict, events) -> tuple[dict, str, dict]:
+    """(start event, text, end event) of one replica stream."""
+    start, parts, end, event = None, [], None, first
+    while True:
+        if event["type"] == "error":
+            raise APIError(400, event["message"], code="context_length_exceeded")
+        if event["type"] == "start":
+            start = event
+        elif event["type"] == "delta":
+            parts.append(event["text"])
+        elif event["type"] == "end":
+            end = event
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return start, "".join(parts), end
+
+
 def _sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
@@ -96,6 +121,7 @@ class OpenAIIngress:
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None
         self._node_ids: dict[str, str] = {}
         self._node_ids_at = 0.0
+        self.inflight = 0
 
     # ---- endpoints -------------------------------------------------------------------------------------
 
@@ -215,36 +241,70 @@ class OpenAIIngress:
             self._node_ids, self._node_ids_at = node_ids(self.cluster), time.monotonic()
         return self._node_ids.get(name)
 
+    def _admit(self) -> None:
+        """Bounded work: past `max_inflight_requests` a request is turned away at once, with Retry-After."""
+        if self.inflight >= self.cfg.max_inflight_requests:
+            metrics.faults().inc(1, {"component": "ingress", "kind": "shed"})
+            raise APIError(503, f"the server is at capacity ({self.inflight} requests in flight); retry shortly",
+                           kind="overloaded", code="overloaded", retry_after_s=1)
+        self.inflight += 1
+
     async def _events(self, job: dict):
         node = await self._route(job)
         async for event in self.replica.options(stream=True).generate.remote(job, prefer_node=node):
             yield event
 
+    async def _first_event(self, job: dict):
+        """The replica's event stream and its first event; a replica lost before answering is retried."""
+        for attempt in range(self.cfg.replica_retries + 1):
+            events = self._events(job)
+            try:
+                return events, await events.__anext__()
+            except REPLICA_LOST as exc:
+                metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
+                log.warning("replica lost before the first token (attempt %d): %s", attempt + 1, type(exc).__name__)
+        raise APIError(503, "the model replica failed while starting this request; retry", kind="server_error",
+                       code="replica_unavailable", retry_after_s=1)
+
     async def _collect(self, job: dict):
-        start, parts, end = None, [], None
-        async for event in self._events(job):
-            if event["type"] == "error":
-                raise APIError(400, event["message"], code="context_length_exceeded")
-            if event["type"] == "start":
-                start = event
-            elif event["type"] == "delta":
-                parts.append(event["text"])
-            elif event["type"] == "end":
-                end = event
-        return start, "".join(parts), end
+        """A whole non-streamed answer; a replica lost mid-way is retried (nothing was sent yet)."""
+        self._admit()
+        try:
+            for attempt in range(self.cfg.replica_retries + 1):
+                events, first = await self._first_event(job)
+                try:
+                    return await _gather(first, events)
+                except REPLICA_LOST:
+                    metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
+            raise APIError(503, "the model replica failed during this request; retry", kind="server_error",
+                           code="replica_unavailable", retry_after_s=1)
+        finally:
+            self.inflight -= 1
 
     async def _stream(self, job: dict, rid: str, chat: bool, include_usage: bool):
-        events = self._events(job)
-        first = await events.__anext__()
+        self._admit()
+        try:
+            events, first = await self._first_event(job)
+        except BaseException:
+            self.inflight -= 1
+            raise
         if first["type"] == "error":
+            self.inflight -= 1
             raise APIError(400, first["message"], code="context_length_exceeded")
         name = self.cfg.name
+        released = False
+
+        def release() -> None:  # idempotent: the stream's end and the response's background task both call it
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight -= 1
 
         async def body():
             start = first
-            if chat:
-                yield _sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
             try:
+                if chat:
+                    yield _sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
                 async for event in events:
                     if event["type"] == "delta":
                         yield _sse(chat_chunk(rid, name, {"content": event["text"]}, None) if chat else
@@ -259,7 +319,10 @@ class OpenAIIngress:
             except Exception as exc:  # the replica died mid-stream: say so in-band, then end the stream
                 log.warning("stream %s failed: %s", rid, exc)
                 metrics.faults().inc(1, {"component": "ingress", "kind": "stream_failed"})
-                yield _sse(error_body(f"generation failed: {type(exc).__name__}", kind="server_error"))
+                yield _sse(error_body(f"generation failed: {type(exc).__name__}; retry the request",
+                                      kind="server_error"))
+            finally:
+                release()
             yield _sse("[DONE]")
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release))

@@ -3,74 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import tempfile
-
 import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from ray import serve  # noqa: E402
-
 from kvcluster.serving.chat import ChatMessage, render_chat  # noqa: E402
 from kvcluster.serving.models import load_model  # noqa: E402
 from kvcluster.serving.runner import ModelRunner  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
-from serve_apps.app import build_app  # noqa: E402
 
-MODEL = "kvcluster-tiny-llama"
-SECURE_MODEL = "kvcluster-tiny-sliding"
-API_KEY = "sk-test-tenant-a"
-METRICS: dict = {}
-DOC = "Ray Serve routes each request to a replica that already holds its prefix. " * 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def endpoint():
-    """Ray, Serve on a free port, the default app and an authenticated one (sliding-window model)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    tmp = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster = os.path.join(tmp, "cluster.yaml")
-    with open(cluster, "w") as f:
-        f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
-                f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.05}}\n"
-                f"      - {{tier: pfs, capacity_gib: 0.1, path: {tmp}/pfs}}\n")
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"
-    METRICS["port"] = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             _temp_dir=tmp, log_to_driver=False, _metrics_export_port=METRICS["port"])
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": MODEL, "cluster": cluster, "replica_cpus": 0.5, "max_tokens_limit": 512,
-                         "hbm_blocks": 48}),
-              name="default", route_prefix="/")
-    serve.run(build_app({"model": SECURE_MODEL, "cluster": None, "replica_cpus": 0.5, "api_keys": [API_KEY]}),
-              name="secure", route_prefix="/secure")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(endpoint):
-    return openai.OpenAI(base_url=f"{endpoint}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The same model in this process, no cache: what every served answer must equal."""
-    return ModelRunner(load_model(MODEL))
+from serving_support import API_KEY, DOC, METRICS, MODEL, SECURE_MODEL  # noqa: E402
 
 
 def test_models_and_health(client, endpoint):
