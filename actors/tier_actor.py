@@ -65,6 +65,10 @@ class TierActor:
             metrics.faults().inc(1, {"component": self._where, "kind": "restarted"})
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.index.lost.remote(self.cfg.node, self.cfg.tier)
+        else:  # the shared filesystem outlives processes and clusters: tell the index what is already there
+            held = self.backend.keys()
+            for i in range(0, len(held), 4096):
+                self.index.stored.remote(self.cfg.node, "pfs", held[i : i + 4096])
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None) -> list[bool]:
         ok = self.backend.put_many(list(zip(keys, payloads)))

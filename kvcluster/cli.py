@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from .dtypes import DTYPE_CHOICES
-from .errors import KvclusterError
+from .errors import ConfigError, KvclusterError
 
 GIB = 1 << 30
 
@@ -197,50 +197,200 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvcluster", description="Cluster-scale KV-cache manager for LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+EPILOG = """\
+examples:
+  kvcluster size deepseek-v3 --dtype bf16 --context 32768 --hbm-gib 1050.5
+  kvcluster capacity llama-3.1-8b --tiers h100-node --json
+  kvcluster replay TRACE --policies lru,arc,bayes,belady --capacity-frac 0.02,0.05,0.1 --plot hit_rate.png
+  kvcluster replay TRACE --policy bayes --tiers h100-node --prefetch-lead-s 2 --json
+  kvcluster report TRACE --policies lru,bayes --capacity-frac 0.02,0.05,0.1 --tiers laptop-cpu \\
+      --model kvcluster-tiny-llama --out report/
+  kvcluster cluster up two-workers --address HEAD_IP:6379
 
-    size = sub.add_parser("size", help="exact KV bytes per token and per sequence for a model")
+TRACE is a trace file or directory, e.g. ../shared/data/mooncake/synthetic_trace.jsonl.
+Names (models, tiers, clusters) are files under configs/; any path works too.
+Bad input prints one line `kvcluster COMMAND: error: ...` and exits 2.
+"""
+
+_TRACE_HELP = "a trace file or directory (Mooncake, Bailian, Claude Code, ShareGPT, LMSYS, SWE-agent, Azure)"
+
+
+def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
+    """Options shared by `replay` and `report`: how the trace is read."""
+    p.add_argument("--format", default="auto", metavar="FORMAT",
+                   help=f"trace format: auto (sniffed, the default) or one of {', '.join(formats)}")
+    p.add_argument("--block-size", type=_positive_int, metavar="TOKENS",
+                   help="tokens per block for text traces (hash traces fix their own)")
+    p.add_argument("--max-records", type=_positive_int, metavar="N",
+                   help="read at most N records (lines; session files for claude-code, trajectories for swe-agent)")
+    p.add_argument("--strict", action="store_true", help="fail on the first malformed trace record instead of "
+                                                         "skipping it (skipped records are listed on stderr)")
+
+
+def _progress_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: only when stderr is a terminal and without --json)")
+
+
+def _capacity_options(p: argparse.ArgumentParser, frac_default: str = "") -> argparse._MutuallyExclusiveGroup:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--capacity-blocks", type=_csv(int), metavar="N[,N...]",
+                       help="HBM capacity in blocks, one run per value")
+    group.add_argument("--capacity-frac", type=_csv(float), metavar="F[,F...]",
+                       help="HBM capacity as a fraction (0, 1] of the trace's unique blocks, one run per value"
+                            + (f" (default {frac_default})" if frac_default else ""))
+    return group
+
+
+def _subparser(sub: argparse._SubParsersAction, name: str, help: str, description: str, examples: str = ""):
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines()) if examples else None
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcluster")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .policies.registry import policy_names
+    from .traces import TRACE_FORMATS
+
+    policies = ", ".join(policy_names())
+    parser = _Parser(prog="kvcluster", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                     description="Cluster-scale KV-cache manager for LLM serving: exact KV sizing, six memory "
+                                 "tiers,\ntrace replay of eviction policies, and the cache actors of a Ray cluster.")
+    parser.add_argument("--version", action="version", version=f"kvcluster {_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands",
+                                metavar="COMMAND")
+
+    size = _subparser(sub, "size", "exact KV bytes per token and per sequence for a model",
+                      "Per layer: attention kind (full, sliding, mla, linear) and exact KV bytes per token;\n"
+                      "per sequence at a context, against the naive full-MHA figure.",
+                      "kvcluster size llama-3.1-8b\nkvcluster size deepseek-v3 --dtype bf16 --hbm-gib 1050.5 --json\n"
+                      "kvcluster size path/to/config.json")
     size.add_argument("model", help="a name under configs/models, or a path to a HF config.json / checkpoint dir")
     size.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
     size.add_argument("--weights-dtype", choices=DTYPE_CHOICES, help="weight dtype (default: as published)")
-    size.add_argument("--context", type=_positive_int, help="tokens per sequence (default: min(max positions, 32768))")
-    size.add_argument("--hbm-gib", type=_non_negative_float, help="HBM for weights + KV; reports max sequences")
+    size.add_argument("--context", type=_positive_int, metavar="TOKENS",
+                      help="tokens per sequence (default: min(max positions, 32768))")
+    size.add_argument("--hbm-gib", type=_non_negative_float, metavar="GIB",
+                      help="HBM for weights + KV; reports the maximum concurrent sequences")
     size.add_argument("--json", action="store_true", help="print one JSON object")
     size.set_defaults(func=_cmd_size)
 
-    capacity = sub.add_parser("capacity", help="KV bytes and tokens a node's six tiers hold for a model")
+    capacity = _subparser(sub, "capacity", "KV bytes and tokens a node's six tiers hold for a model",
+                          "KV bytes, tokens and sequences each tier of a node holds for one model\n"
+                          "(HBM after the weights).",
+                          "kvcluster capacity llama-3.1-8b --tiers h100-node\n"
+                          "kvcluster capacity kvcluster-tiny-llama --tiers laptop-cpu --json")
     capacity.add_argument("model", help="a name under configs/models, or a config path")
     capacity.add_argument("--tiers", required=True, help="a tiers YAML (path, or a name under configs/tiers)")
     capacity.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
-    capacity.add_argument("--context", type=_positive_int, help="tokens per sequence for the sequences column")
+    capacity.add_argument("--context", type=_positive_int, metavar="TOKENS",
+                          help="tokens per sequence for the sequences column")
     capacity.add_argument("--json", action="store_true", help="print one JSON object")
     capacity.set_defaults(func=_cmd_capacity)
 
-    rp = sub.add_parser("replay", help="replay a trace through the policy engine and project TTFT")
-    rp.add_argument("trace", help="a trace file or directory (Mooncake, Bailian, Claude Code, ShareGPT, LMSYS, SWE-agent, Azure)")
-    rp.add_argument("--format", default="auto", help="auto|mooncake|bailian|claude-code|sharegpt|lmsys|swe-agent|azure")
+    rp = _subparser(sub, "replay", "replay a trace through the policy engine and project TTFT",
+                    "Every policy at every capacity point (blocks, a fraction of the unique blocks, or one run\n"
+                    "over all tiers of a node), with per-tier hit rates and the cost model's projected TTFT.\n"
+                    f"Policies: {policies}.",
+                    "kvcluster replay TRACE --policies lru,bayes,belady --capacity-frac 0.02,0.05,0.1 --plot hit.png\n"
+                    "kvcluster replay TRACE --policy bayes --tiers h100-node --model llama-3.1-8b --json")
+    rp.add_argument("trace", metavar="TRACE", help=_TRACE_HELP)
     group = rp.add_mutually_exclusive_group()
     group.add_argument("--policy", help="one eviction policy")
-    group.add_argument("--policies", type=_csv(str), help="comma-separated policies (default lru,bayes,belady)")
-    rp.add_argument("--capacity-blocks", type=_csv(int), help="capacity in blocks (comma list for several runs)")
-    rp.add_argument("--capacity-frac", type=_csv(float), help="capacity as a fraction of unique blocks (comma list)")
-    rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus vLLM/LMCache-style references")
-    rp.add_argument("--block-size", type=_positive_int, help="tokens per block for text traces (hash traces fix their own)")
+    group.add_argument("--policies", type=_csv(str), metavar="P[,P...]",
+                       help="comma-separated policies (default lru,bayes,belady)")
+    _capacity_options(rp)
+    rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus vLLM/LMCache-style references "
+                                    "(instead of --capacity-*)")
     rp.add_argument("--model", default="llama-3.1-8b", help="model for block bytes and prefill FLOPs (default llama-3.1-8b)")
-    rp.add_argument("--node", default="h100-node", help="tiers YAML for the cost model when capacity is in blocks")
-    rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0,
+    rp.add_argument("--node", default="h100-node", help="tiers YAML for the cost model when capacity is in blocks "
+                                                        "(default h100-node)")
+    rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
                     help="prefetch blocks of requests arriving within this many seconds (multi-tier only)")
-    rp.add_argument("--strict", action="store_true", help="fail on the first malformed trace record")
+    _trace_options(rp, TRACE_FORMATS)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity as a PNG")
-    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _progress_option(rp)
     rp.set_defaults(func=_cmd_replay)
+
+    rep = _subparser(sub, "report", "PNG charts: hit rate vs capacity, tier occupancy, TTFT",
+                     "Replays TRACE and writes to --out:\n"
+                     "  hit_rate_vs_capacity.png  every policy at every --capacity-frac/--capacity-blocks point\n"
+                     "  tier_occupancy.png        fraction of each tier of --tiers in use over trace time, per policy\n"
+                     "  ttft_distribution.png     projected TTFT of every request, per policy and for the HBM-only\n"
+                     "                            and HBM+DRAM LRU reference deployments\n"
+                     "  report.json               the numbers behind the charts\n"
+                     "and prints their paths. With --replay-json the hit-rate chart comes from a saved\n"
+                     "`kvcluster replay --json` report (without TRACE it is the only chart).",
+                     "kvcluster report TRACE --policies lru,bayes --capacity-frac 0.02,0.05,0.1 --tiers laptop-cpu \\\n"
+                     "    --model kvcluster-tiny-llama --out report/\n"
+                     "kvcluster replay TRACE --capacity-frac 0.01,0.1 --json > sweep.json\n"
+                     "kvcluster report --replay-json sweep.json --out report/")
+    rep.add_argument("trace", metavar="TRACE", nargs="?", help=_TRACE_HELP + " (optional with --replay-json)")
+    rep.add_argument("--out", required=True, metavar="DIR", help="directory for the charts and report.json "
+                                                                 "(created if missing)")
+    rep.add_argument("--policies", type=_csv(str), default=("lru", "bayes", "belady"), metavar="P[,P...]",
+                     help=f"comma-separated policies (default lru,bayes,belady; known: {policies})")
+    _capacity_options(rep, "0.02,0.05,0.1,0.2")
+    rep.add_argument("--replay-json", metavar="FILE", help="draw hit rate vs capacity from this saved "
+                                                           "`kvcluster replay --json` output instead of replaying")
+    rep.add_argument("--tiers", default="laptop-cpu",
+                     help="tiers YAML of the occupancy and TTFT runs (default laptop-cpu)")
+    rep.add_argument("--model", default="llama-3.1-8b", help="model for block bytes and prefill FLOPs (default llama-3.1-8b)")
+    rep.add_argument("--node", default="h100-node", help="tiers YAML for the cost model of the capacity sweep "
+                                                         "(default h100-node)")
+    rep.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                     help="prefetch blocks of requests arriving within this many seconds (multi-tier runs)")
+    rep.add_argument("--sample-every", type=_positive_int, metavar="N",
+                     help="sample tier occupancy every N requests (default: about 200 points per run)")
+    _trace_options(rep, TRACE_FORMATS)
+    rep.add_argument("--json", action="store_true", help="print one JSON object with the written paths")
+    _progress_option(rep)
+    rep.set_defaults(func=_cmd_report)
 
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import ReportOptions, build_report, load_replay_json, prepare_out, write_report
+    from .simulator import prepare
+
+    options = ReportOptions(
+        policies=tuple(args.policies),
+        capacity_blocks=args.capacity_blocks or (),
+        capacity_frac=args.capacity_frac or ReportOptions.capacity_frac,
+        tiers=args.tiers,
+        model=args.model,
+        node=args.node,
+        prefetch_lead_s=args.prefetch_lead_s,
+        sample_every=args.sample_every,
+    )
+    if args.trace is None and args.replay_json is None:
+        raise ConfigError("give a TRACE, or --replay-json with a saved `kvcluster replay --json` report")
+    options.validate()
+    prepare_out(args.out)
+    saved = load_replay_json(args.replay_json) if args.replay_json else None
+    prepared = prepare(_load_trace(args)) if args.trace else None
+    progress = _progress_factory(_show_progress(args), prepared.requests if prepared else 0)
+    files = write_report(build_report(options, prepared, saved, progress), args.out)
+    if args.json:
+        print(json.dumps({"files": files}))
+    else:
+        for path in files.values():
+            print(path)
+    return 0
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -269,17 +419,25 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _register_cluster(sub: argparse._SubParsersAction) -> None:
-    cl = sub.add_parser("cluster", help="start, inspect or stop the cache actors on a running Ray cluster")
-    cl.add_argument("action", choices=["up", "status", "down"])
+    cl = _subparser(sub, "cluster", "start, inspect or stop the cache actors on a running Ray cluster",
+                    "The cache actors of a cluster YAML on a running Ray cluster (it does not start Ray):\n"
+                    "  up      start (or find) the index, predictor, tier actors and placement loop; idempotent\n"
+                    "  status  blocks held and capacity per node and tier, and placement totals\n"
+                    "  down    stop them (the predictor checkpoints first; nvme and pfs files stay)",
+                    "ray start --head && kvcluster cluster up local\n"
+                    "kvcluster cluster up two-workers --address HEAD_IP:6379\n"
+                    "kvcluster cluster status two-workers --address HEAD_IP:6379 --json")
+    cl.add_argument("action", choices=["up", "status", "down"], help="up, status or down (see above)")
     cl.add_argument("config", help="a cluster YAML (path, or a name under configs/cluster)")
-    cl.add_argument("--address", default="auto", help="Ray cluster address (default: the running one)")
-    cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0,
+    cl.add_argument("--address", default="auto", help="Ray cluster address, HOST:PORT of the head's GCS "
+                                                      "(default auto: the cluster running on this machine)")
+    cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0, metavar="SECONDS",
                     help="seconds between placement rounds (up)")
     cl.add_argument("--json", action="store_true", help="print one JSON object")
     cl.set_defaults(func=_cmd_cluster)
 
 
-# Later modules (serve) add their subcommands here.
+# Later modules add their subcommands here.
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_cluster]
 
 

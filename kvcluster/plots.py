@@ -48,7 +48,7 @@ def plot_tier_occupancy(runs: list[dict], path: str, title: str) -> None:
     """Per policy run: the fraction of each tier's capacity in use, over trace time (or request index)."""
     plt = _pyplot()
     runs = [r for r in runs if "deployment" not in r] or runs
-    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.4 * len(runs) + 0.8), dpi=120, sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9.5, 2.4 * len(runs) + 0.8), dpi=120, sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
         occ = run["occupancy"]
         timed = len(occ["arrival_s"]) > 1 and occ["arrival_s"][-1] > occ["arrival_s"][0]
@@ -60,10 +60,14 @@ def plot_tier_occupancy(runs: list[dict], path: str, title: str) -> None:
         ax.set_ylabel("fraction full")
         ax.set_title(f"{run['label']}: hit rate {run['hit_rate']:.3f}", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[-1, 0].set_xlabel("trace time (s)" if timed else "request")
     fig.suptitle(f"tier occupancy: {title}", fontsize=11)
     _save(fig, path)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.1f} s" if s >= 10 else f"{s * 1e3:,.1f} ms"
 
 
 def plot_ttft_distribution(runs: list[dict], path: str, title: str) -> None:
@@ -86,7 +90,7 @@ def plot_ttft_distribution(runs: list[dict], path: str, title: str) -> None:
             continue
         hist = run.get("ttft_histogram_s", {})
         zeros = int((v <= 0).sum())
-        label = f"{run['label']}: p50 {hist.get('p50', 0) * 1e3:,.1f} ms, p99 {hist.get('p99', 0) * 1e3:,.1f} ms"
+        label = f"{run['label']}: p50 {_seconds(hist.get('p50', 0))}, p99 {_seconds(hist.get('p99', 0))}"
         if zeros:
             label += f" ({zeros} at 0 not drawn)"
         style = {"linestyle": "--"} if "deployment" in run else {}

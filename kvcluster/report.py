@@ -56,10 +56,22 @@ class ReportOptions:
                              prefetch_lead_s=self.prefetch_lead_s)
 
     def validate(self) -> None:
+        """Every name and number, before any trace is read."""
+        from .model_spec import load_model_spec
+        from .tiers import load_node_tiers
+
+        if not self.policies:
+            raise ConfigError("--policies: give at least one policy")
         self.sweep().validate()
         self.over_tiers().validate()
         if self.sample_every is not None and self.sample_every <= 0:
             raise ConfigError("--sample-every must be a positive number of requests")
+        for option, load, value in (("--tiers", load_node_tiers, self.tiers), ("--node", load_node_tiers, self.node),
+                                    ("--model", load_model_spec, self.model)):
+            try:
+                load(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{option}: {exc}") from None
 
 
 class Sampler:
@@ -188,10 +200,8 @@ def build_report(options: ReportOptions | None, trace: PreparedTrace | None, sav
     return out
 
 
-def write_report(report: dict, out_dir: str) -> dict[str, str]:
-    """The charts the report has data for, and report.json; returns name -> path."""
-    from . import plots
-
+def prepare_out(out_dir: str) -> Path:
+    """The output directory, created if missing; a file in the way is an error naming --out."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {out_dir!r} exists and is not a directory")
@@ -199,6 +209,14 @@ def write_report(report: dict, out_dir: str) -> dict[str, str]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out: cannot create {out_dir!r}: {exc.strerror or exc}") from None
+    return out
+
+
+def write_report(report: dict, out_dir: str) -> dict[str, str]:
+    """The charts the report has data for, and report.json; returns name -> path."""
+    from . import plots
+
+    out = prepare_out(out_dir)
     files = {"hit_rate_vs_capacity": str(out / CHARTS["hit_rate_vs_capacity"])}
     plots.plot_hit_rates(report["hit_rate_vs_capacity"], files["hit_rate_vs_capacity"])
     over = report.get("over_tiers")

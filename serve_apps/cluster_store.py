@@ -73,6 +73,8 @@ class ClusterBlockStore:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
             except ValueError:  # no such actor (node gone): misses
                 self._actors.pop((node, tier), None)
+                self.counters["remote_failures"] += 1
+                metrics.faults().inc(1, {"component": f"{node}/{tier}", "kind": "actor_unavailable"})
         for loc, ref in refs.items():
             try:
                 for j, payload in zip(groups[loc], ray.get(ref, timeout=self.timeout_s)):

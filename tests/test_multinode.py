@@ -164,3 +164,36 @@ def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
     held = wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations)
     assert ("b", "dram") in held[0] and ("h", "dram") in held[0]  # copy first: the source keeps its copy
     del predictor
+
+
+def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluster) -> None:
+    """The replica's fetch path (serve_apps.cluster_store) reads node B's dram; once B is removed its blocks
+    are misses and the fetch still returns, without an error."""
+    from actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+    from serve_apps.cluster_store import ClusterBlockStore
+
+    c, _, node_b, tmp = cluster
+    head_id = ray.get_runtime_context().get_node_id()
+    index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
+    predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "loss"))
+    b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
+                               scheduling_strategy=pinned(node_b.node_id)).remote(
+        TierActorConfig(node="b", tier="dram", slots=8, slot_bytes=1 << 16).model_dump())
+    data = [np.random.default_rng(20 + i).integers(0, 255, 1 << 15, dtype=np.uint8) for i in range(len(KEYS))]
+    assert ray.get(b_dram.put_many.remote(KEYS, data)) == [True] * 4
+    wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).length == 4)
+
+    def fresh_store() -> ClusterBlockStore:
+        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 16)], 1 << 16)), "h", [],
+                                 timeout_s=10)
+
+    got = fresh_store().fetch(KEYS)
+    assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
+    c.remove_node(node_b)
+    store = fresh_store()
+    assert store.fetch(KEYS) == []  # B's memory is gone: misses, recomputed by the replica
+    assert store.counters["remote_failures"] >= 1
+    del predictor

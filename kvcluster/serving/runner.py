@@ -134,7 +134,7 @@ class ModelRunner:
             keys = self.block_keys(seq, gen.cache_salt)
             first_new = gen.cached_tokens // self.block_tokens
             new = self.codec.encode(gen.cache, first_new, len(keys))
-            if new:
+            if keys:  # even with nothing new: the store tells the reuse predictor these blocks were used
                 self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)))
                 gen.stored_blocks = len(new)
         gen.cache = None

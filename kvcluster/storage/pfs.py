@@ -70,8 +70,11 @@ class PFSBackend(StorageBackend):
                     f.write(HEADER.pack(MAGIC, VERSION, view.nbytes, checksum(view)))
                     f.write(view)
                 os.replace(tmp, path)
-            except OSError:
-                tmp.unlink(missing_ok=True)
+            except OSError:  # no space, read-only or vanished mount: this block stays a miss
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
                 self._stats.put_failures += 1
                 ok.append(False)
                 continue
@@ -109,6 +112,18 @@ class PFSBackend(StorageBackend):
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [self.path_for(key).is_file() for key in keys]
+
+    def keys(self) -> list[BlockKey]:
+        """Every block file under the root (written by any node, in any earlier run)."""
+        out = []
+        for path in self.base.glob("??/??/*.kvb"):
+            try:
+                key = bytes.fromhex(path.stem)
+            except ValueError:
+                continue
+            if len(key) == KEY_BYTES:
+                out.append(BlockKey(key))
+        return out
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         n = 0

@@ -1,0 +1,352 @@
+"""Write docs/configuration.md from the pydantic models: one table per model.
+
+    .venv/bin/python scripts/gen_config_docs.py           # regenerate docs/configuration.md
+    .venv/bin/python scripts/gen_config_docs.py --check   # exit 1 if the committed file is stale
+
+Field names, types, defaults, constraints and descriptions come from the models
+themselves; only the section texts and the notes on custom validators are
+written here. `tests/test_cli_polish.py` checks the committed file is exactly
+what this script renders, so the reference never drifts from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT = ROOT / "docs" / "configuration.md"
+
+
+@dataclass(frozen=True)
+class Model:
+    path: str  # module:Class
+    where: str  # who reads it, from what
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    intro: str
+    models: tuple[Model, ...]
+
+
+SECTIONS = (
+    Section(
+        "Serve app",
+        "The `args` of an application in a Serve config file (`configs/serve.yaml`), validated by "
+        "`serve_apps.app:build_app` before anything starts; a wrong field fails the deploy naming it.",
+        (
+            Model("serve_apps.config:ServeAppConfig", "`applications[].args` of `configs/serve.yaml`."),
+            Model("serve_apps.config:AutoscalingSettings", "`autoscaling` of `ServeAppConfig`; passed to Serve "
+                                                           "as the replicas' autoscaling config."),
+        ),
+    ),
+    Section(
+        "Cluster YAML",
+        "`configs/cluster/*.yaml`, read by `kvcluster cluster up|status|down` and by the Serve app's `cluster` "
+        "field (`kvcluster/cluster_config.py:load_cluster_config`; errors name the file and the field).",
+        (
+            Model("kvcluster.cluster_config:ClusterConfig", "The whole file."),
+            Model("kvcluster.cluster_config:NodeEntry", "Each entry of `nodes`."),
+            Model("kvcluster.cluster_config:TierEntry", "Each entry of a node's `tiers`."),
+            Model("kvcluster.placement:PlacementConfig", "`placement` of the cluster YAML; the placement "
+                                                         "controller actor plans its moves with it."),
+        ),
+    ),
+    Section(
+        "Tiers YAML",
+        "`configs/tiers/*.yaml`: a node's six tiers from published hardware specs, read by `kvcluster capacity`, "
+        "`kvcluster replay --tiers/--node` and `kvcluster report` (`kvcluster/tiers.py:load_node_tiers`).",
+        (
+            Model("kvcluster.tiers:NodeTiers", "The whole file."),
+            Model("kvcluster.tiers:GpuSpec", "`gpu`: prefill compute for the cost model."),
+            Model("kvcluster.tiers:TierSpec", "Each entry of `tiers`."),
+        ),
+    ),
+    Section(
+        "Library and actor settings",
+        "Not written in a YAML file today: built by code from the files above, or passed through the Python API.",
+        (
+            Model("kvcluster.predictor:PredictorConfig", "`ReusePredictor(config)`; `simulator.replay("
+                                                         "predictor_config=...)`. The predictor actor started by "
+                                                         "`kvcluster cluster up` uses the defaults."),
+            Model("actors.tier_actor:TierActorConfig", "Built by `kvcluster cluster up` for each tier of each node "
+                                                       "of the cluster YAML (slots from the model's block payload)."),
+            Model("kvcluster.serving.sampling:SamplingParams", "Built by the ingress from an OpenAI request; the "
+                                                               "replica's model runner samples with it."),
+        ),
+    ),
+    Section(
+        "OpenAI requests",
+        "Request bodies of the HTTP endpoint (`serve_apps/protocol.py`). Unknown fields are ignored, as OpenAI's "
+        "server does; a wrong type or a value out of range is a 422 naming the field; features kvcluster does not "
+        "implement (`n` > 1, `logprobs`, `echo`) are a 400 saying so.",
+        (
+            Model("serve_apps.protocol:CompletionRequest", "`POST /v1/completions`."),
+            Model("serve_apps.protocol:ChatCompletionRequest", "`POST /v1/chat/completions`."),
+            Model("kvcluster.serving.chat:ChatMessage", "Each entry of `messages`."),
+            Model("serve_apps.protocol:StreamOptions", "`stream_options`."),
+        ),
+    ),
+)
+
+# What custom validators check (the models' own constraints are read from the fields).
+VALIDATOR_NOTES = {
+    "NodeTiers": "tier names are unique and listed fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
+    "PlacementConfig": "`low_water` must be below `high_water`",
+    "CompletionRequest.prompt": "a list of texts must hold exactly one; token ids must be >= 0",
+    "CompletionRequest.stop": "at most 4, none empty",
+    "ChatCompletionRequest.stop": "at most 4, none empty",
+    "ChatCompletionRequest.messages": "content parts must be of type text",
+}
+# Checks made outside the model (on loading, or by the server), worth knowing when writing the field.
+EXTRA_NOTES = {
+    "ClusterConfig": "On loading, every nvme and pfs tier needs a `path`, and every tier must hold at least one "
+                     "block of the model's payload (`block_tokens` x bytes per token).",
+    "ServeAppConfig": "`block_tokens` and the model must give the block size the cluster YAML's model sizes, or "
+                      "the replica refuses to start.",
+    "CompletionRequest": "`n` > 1, `logprobs` and `echo` are rejected with a 400; `max_tokens` above the app's "
+                         "`max_tokens_limit` or beyond the context window is a 400.",
+    "ChatCompletionRequest": "`max_completion_tokens` wins over `max_tokens`; without either the app's "
+                             "`default_chat_max_tokens` applies.",
+}
+
+# Descriptions of fields whose model gives none (better moved into the models' `Field(description=...)`;
+# a field described in its model never reads from here, and a stale entry here is an error).
+FALLBACK_DESCRIPTIONS = {
+    "ServeAppConfig.dtype": "Weights and KV dtype of the replicas.",
+    "ServeAppConfig.replica_cpus": "Ray CPUs reserved per replica (0: no reservation).",
+    "ServeAppConfig.autoscaling": "Replica count bounds and target load.",
+    "ServeAppConfig.default_chat_max_tokens": "Tokens a chat request generates at most when it sets no limit.",
+    "AutoscalingSettings.min_replicas": "Replicas kept running at least.",
+    "AutoscalingSettings.max_replicas": "Replicas started at most.",
+    "AutoscalingSettings.target_ongoing_requests": "Ongoing requests per replica Serve scales towards.",
+    "ClusterConfig.block_tokens": "Tokens per KV block (the Serve app's `block_tokens` must match).",
+    "ClusterConfig.dtype": "KV dtype of the block payload (default: the model's).",
+    "ClusterConfig.nodes": "The Ray nodes that run tier actors.",
+    "ClusterConfig.placement": "Placement controller thresholds.",
+    "NodeEntry.tiers": "Tiers of this node (hbm stays in the model replicas).",
+    "TierEntry.tier": "Which backend: dram, cxl, nvme or pfs.",
+    "TierEntry.capacity_gib": "Capacity in GiB, turned into block slots with the model's block payload.",
+    "NodeTiers.gpu": "The node's accelerators (prefill compute).",
+    "_Common.model": "Must be the served model's id (`GET /v1/models`).",
+    "_Common.temperature": "Sampling temperature; 0 is greedy (default 1).",
+    "_Common.top_p": "Nucleus sampling mass (default 1).",
+    "_Common.n": "Completions per request; only 1 is supported.",
+    "_Common.stream": "Stream server-sent events ending in `data: [DONE]`.",
+    "_Common.stream_options": "With `include_usage`, a final chunk carries the usage.",
+    "_Common.stop": "Generation ends before any of these strings.",
+    "_Common.seed": "Makes sampled output repeatable.",
+    "_Common.user": "Accepted and ignored.",
+    "_Common.logprobs": "Not supported (a 400 when set).",
+    "_Common.ignore_eos": "Keep generating past the end-of-sequence token (benchmarks).",
+    "CompletionRequest.max_tokens": "Tokens to generate at most.",
+    "CompletionRequest.echo": "Not supported (a 400 when true).",
+    "ChatCompletionRequest.messages": "The conversation; each message is tokenized on its own, so turn k is a "
+                                      "prefix of turn k+1.",
+    "ChatCompletionRequest.max_tokens": "Tokens to generate at most (older name).",
+    "ChatCompletionRequest.max_completion_tokens": "Tokens to generate at most.",
+    "ChatMessage.role": "Who wrote it; system/developer, user, assistant or tool.",
+    "ChatMessage.content": "Text, or OpenAI content parts of type text.",
+    "ChatMessage.name": "Accepted and ignored.",
+    "StreamOptions.include_usage": "Send a last chunk with `usage` before `[DONE]`.",
+}
+
+
+def fallback_description(cls, name: str) -> str:
+    """From FALLBACK_DESCRIPTIONS, by the class that declares the field or any class it inherits it from."""
+    for base in cls.__mro__:
+        text = FALLBACK_DESCRIPTIONS.get(f"{base.__name__}.{name}")
+        if text:
+            return text
+    return ""
+
+
+def check_fallbacks() -> None:
+    """Every fallback names an existing field that has no description of its own."""
+    import serve_apps.protocol as protocol
+
+    classes = {m.path.split(":")[1]: load(m.path) for s in SECTIONS for m in s.models}
+    classes["_Common"] = protocol._Common
+    for key in FALLBACK_DESCRIPTIONS:
+        owner, name = key.split(".")
+        field = classes[owner].model_fields.get(name) if owner in classes else None
+        if field is None:
+            raise SystemExit(f"FALLBACK_DESCRIPTIONS[{key!r}]: no such field")
+        if field.description:
+            raise SystemExit(f"FALLBACK_DESCRIPTIONS[{key!r}]: the model describes it now; remove the fallback")
+
+
+def load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def anchor(name: str) -> str:
+    return name.lower()
+
+
+def type_name(tp, known: set[str]) -> str:
+    """A readable type: `str | None`, `list[TierEntry]`, `"dram" | "cxl"`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a, known) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"tuple[{type_name(args[0], known)}, ...]"
+    if origin is not None:
+        inner = ", ".join(type_name(a, known) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else origin.__name__
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def code(text: str) -> str:
+    return f"`{cell(text)}`"
+
+
+def nested_models(tp, known: set[str]) -> list[str]:
+    """Names of the documented models inside an annotation, in order."""
+    if isinstance(tp, type) and tp.__name__ in known:
+        return [tp.__name__]
+    return [n for a in typing.get_args(tp) for n in nested_models(a, known)]
+
+
+def type_cell(tp, known: set[str]) -> str:
+    links = ", ".join(f"[{n}](#{anchor(n)})" for n in dict.fromkeys(nested_models(tp, known)))
+    return code(type_name(tp, known)) + (f" (see {links})" if links else "")
+
+
+def default_cell(field) -> str:
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        return f"[{type(value).__name__}](#{anchor(type(value).__name__)}) defaults"
+    if isinstance(value, tuple):
+        value = list(value)
+    return code(json.dumps(value))
+
+
+def constraints_cell(owner: str, name: str, field) -> str:
+    parts = []
+    for meta in field.metadata:
+        for attr, label in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(meta, attr, None) is not None:
+                parts.append(f"{label} {getattr(meta, attr)}")
+        if getattr(meta, "min_length", None) is not None:
+            parts.append(f"min length {meta.min_length}")
+        if getattr(meta, "max_length", None) is not None:
+            parts.append(f"max length {meta.max_length}")
+        if getattr(meta, "pattern", None) is not None:
+            parts.append(f"pattern {code(meta.pattern)}")
+    note = VALIDATOR_NOTES.get(f"{owner}.{name}")
+    if note:
+        parts.append(cell(note))
+    return "; ".join(parts)
+
+
+def field_validators(cls) -> dict[str, str]:
+    """Field name -> validator name, for validators declared on `cls` or its bases."""
+    out = {}
+    for dec in cls.__pydantic_decorators__.field_validators.values():
+        for f in dec.info.fields:
+            out[f] = dec.cls_var_name
+    return out
+
+
+def render_model(model: Model, known: set[str]) -> list[str]:
+    cls = load(model.path)
+    name = cls.__name__
+    module, _ = model.path.split(":")
+    lines = [f"### {name}", ""]
+    doc = cls.__dict__.get("__doc__")
+    if doc:
+        lines += [" ".join(doc.split()), ""]
+    extra = cls.model_config.get("extra")
+    unknown = {"forbid": "rejected", "ignore": "ignored", "allow": "kept"}.get(extra or "ignore", str(extra))
+    lines += [f"`{module.replace('.', '/')}.py:{name}`. {model.where} Unknown fields: {unknown}.", ""]
+    lines += ["| field | type | default | constraints | description |", "|---|---|---|---|---|"]
+    validated = field_validators(cls)
+    for fname, field in cls.model_fields.items():
+        cons = constraints_cell(name, fname, field)
+        if fname in validated and f"{name}.{fname}" not in VALIDATOR_NOTES:
+            cons = "; ".join(filter(None, [cons, f"checked by `{validated[fname]}`"]))
+        desc = cell(field.description or fallback_description(cls, fname))
+        lines.append(f"| `{fname}` | {type_cell(field.annotation, known)} | {default_cell(field)} | {cons} | {desc} |")
+    model_rule = VALIDATOR_NOTES.get(name)
+    if model_rule is None and cls.__pydantic_decorators__.model_validators:
+        model_rule = "checked by " + ", ".join(f"`{v}`" for v in cls.__pydantic_decorators__.model_validators)
+    notes = [n for n in (f"Also: {model_rule}." if model_rule else None, EXTRA_NOTES.get(name)) if n]
+    if notes:
+        lines += ["", " ".join(notes)]
+    return lines + [""]
+
+
+def render() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    check_fallbacks()
+    known = {m.path.split(":")[1] for s in SECTIONS for m in s.models}
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by scripts/gen_config_docs.py from the pydantic models; do not edit by hand. -->",
+        "",
+        "Every file a user writes (Serve app args, cluster YAML, tiers YAML) and every HTTP request body is a "
+        "pydantic v2 model; this page is generated from them (`.venv/bin/python scripts/gen_config_docs.py`). "
+        "Defaults are shown as JSON (which is also YAML). Constraints: `>` `>=` `<` `<=` bound numbers, lengths "
+        "bound strings and lists.",
+        "",
+    ]
+    for section in SECTIONS:
+        lines += [f"- [{section.title}](#{section.title.lower().replace(' ', '-')}): "
+                  + ", ".join(f"[{m.path.split(':')[1]}](#{anchor(m.path.split(':')[1])})" for m in section.models)]
+    lines.append("")
+    for section in SECTIONS:
+        lines += [f"## {section.title}", "", section.intro, ""]
+        for model in section.models:
+            lines += render_model(model, known)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is not up to date")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.is_file() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT.relative_to(ROOT)} is stale: run .venv/bin/python scripts/gen_config_docs.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
