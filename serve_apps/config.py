@@ -22,6 +22,8 @@ class ServeAppConfig(BaseModel):
     served_model_name: str | None = Field(None, description="The id clients send as `model` (default: the name).")
     dtype: str = Field("fp32", pattern="^(fp32|bf16|fp16)$")
     seed: int = Field(0, description="Seed of random weights; every replica builds the same model.")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Where the model runs; auto: CUDA when "
+                                                                          "the replica sees a GPU.")
     block_tokens: int = Field(16, gt=0, description="Tokens per KV block (must match the cluster config).")
     hbm_blocks: int = Field(512, ge=1, description="Blocks the replica's own tier (hbm) holds.")
     cluster: str | None = Field("local", description="Cluster YAML (configs/cluster) of the tier actors; "
@@ -45,6 +47,14 @@ class ServeAppConfig(BaseModel):
     def keys(self) -> list[str]:
         env = [k for k in os.environ.get("KVCLUSTER_API_KEYS", "").split(",") if k]
         return self.api_keys + env
+
+    def resolved_device(self) -> str:
+        """auto -> cuda when this process sees a GPU (the ingress resolves it the same way, for its block keys)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def name(self) -> str:

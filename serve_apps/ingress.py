@@ -115,7 +115,9 @@ class OpenAIIngress:
         spec = load_model_spec(self.cfg.model)
         self.window = spec.max_position_embeddings or 2048
         self.vocab = int(spec.hf_config.get_text_config().vocab_size)
-        self.keyspace = KeySpace(model_fingerprint(self.cfg.model, self.cfg.dtype, self.cfg.seed), self.cfg.root_seed)
+        # routing keys must equal the replicas' (a mismatch only loses prefix affinity, never correctness)
+        fingerprint = model_fingerprint(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.resolved_device())
+        self.keyspace = KeySpace(fingerprint, self.cfg.root_seed)
         self.api_keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in self.cfg.keys()}
         self.cluster = cache_cluster(self.cfg)
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None

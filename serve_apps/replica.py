@@ -46,7 +46,8 @@ class KVReplica:
     def __init__(self, config: dict) -> None:
         self.cfg = ServeAppConfig.model_validate(config)
         torch.set_num_threads(self.cfg.torch_threads)
-        self.loaded = load_model(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.name)
+        self.loaded = load_model(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.name,
+                                 device=self.cfg.resolved_device())
         cluster = cache_cluster(self.cfg)
         runner = ModelRunner(self.loaded, None, self.cfg.block_tokens, self.cfg.root_seed)
         block = runner.layout.nbytes()

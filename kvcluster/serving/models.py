@@ -79,9 +79,7 @@ def load_model(name_or_path: str, dtype: str = "fp32", seed: int = 0, served_nam
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ConfigError(f"model {name_or_path!r} has {vocab} embeddings but its tokenizer has {len(tokenizer)} tokens")
-    fingerprint = model_fingerprint(name_or_path, dtype, seed)
-    if device != "cpu" and not is_checkpoint(path):
-        fingerprint += f"|init={torch.device(device).type}"
+    fingerprint = model_fingerprint(name_or_path, dtype, seed, device)
     return LoadedModel(served_name or spec.name, model, tokenizer, spec, dtype, fingerprint)
 
 
@@ -89,9 +87,9 @@ def is_checkpoint(path: Path) -> bool:
     return path.is_dir() and _has_weights(path)
 
 
-def model_fingerprint(name_or_path: str, dtype: str, seed: int = 0) -> str:
-    """What makes two replicas' KV equal: weights' source, dtype, RoPE settings. Needs no weights loaded,
-    so the ingress computes the same block keys as the replicas."""
+def model_fingerprint(name_or_path: str, dtype: str, seed: int = 0, device: str = "cpu") -> str:
+    """What makes two replicas' KV equal: weights' source, dtype, RoPE settings (and, for random weights, the
+    device that drew them). Needs no weights loaded, so the ingress computes the same block keys as the replicas."""
     spec = load_model_spec(name_or_path)
     path = Path(name_or_path)
     if is_checkpoint(path):
@@ -102,7 +100,8 @@ def model_fingerprint(name_or_path: str, dtype: str, seed: int = 0) -> str:
     cfg = spec.hf_config
     rope = json.dumps(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None),
                       sort_keys=True, default=str)
-    return f"{spec.name}|{source}|{dtype}|rope={rope}"
+    init = f"|init={torch.device(device).type}" if device != "cpu" and not is_checkpoint(path) else ""
+    return f"{spec.name}|{source}|{dtype}|rope={rope}{init}"
 
 
 def load_model_tokenizer(name_or_path: str):
