@@ -62,13 +62,14 @@ def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
     pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
     start_global_actors(cfg.checkpoint_dir)
     slot_bytes = cfg.block_bytes()
-    started, tiers = [], []
+    started, tiers, handles = [], [], []
     for node in cfg.nodes:
         for t in node.tiers:
             tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path)
-            start_tier_actor(tc, pinned[node.name], detached=True)
+            handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
             started.append(actor_name(node.name, t.tier))
             tiers.append((node.name, t.tier))
+    ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
     controller = PlacementController.options(name=PLACEMENT_NAME, namespace=NAMESPACE, lifetime="detached",
                                              get_if_exists=True).remote(tiers, cfg.placement.model_dump())
     ray.get(controller.start.remote(placement_period_s), timeout=60)

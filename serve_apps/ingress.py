@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.cluster import node_ids
 from actors.index_actor import INDEX_NAME, NAMESPACE
 from kvcluster.keys import KeySpace
-from kvcluster.serving.chat import render_chat
+from kvcluster.serving.chat import render_chat, reusable_segments
 from kvcluster.serving.models import model_fingerprint, load_model_tokenizer
 from kvcluster.model_spec import load_model_spec
 
@@ -160,24 +160,28 @@ class OpenAIIngress:
                                                                                 body.stream_options.include_usage))
         start, text, end = await self._collect(job)
         return completion_body(rid, self.cfg.name, text, end["finish_reason"],
-                               usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"]))
+                               usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"],
+                               start.get("segment_tokens", 0)))
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = self._tenant(request)
         self._check_common(body)
         ids, spans = render_chat(self.tokenizer, body.messages)
+        segments = reusable_segments(body.messages, spans)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = self._max_tokens(len(ids), asked, "max_completion_tokens" if body.max_completion_tokens
                                       else "max_tokens")
         job = self._job(ids, [(int(t), n) for t, n in spans], body, max_tokens, tenant)
+        job["segments"] = segments
         rid = new_id("chatcmpl")
         if body.stream:
             return await self._stream(job, rid, chat=True, include_usage=bool(body.stream_options and
                                                                                body.stream_options.include_usage))
         start, text, end = await self._collect(job)
         return chat_body(rid, self.cfg.name, text, end["finish_reason"],
-                         usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"]))
+                         usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"],
+                               start.get("segment_tokens", 0)))
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -312,7 +316,8 @@ class OpenAIIngress:
                         yield _sse(chat_chunk(rid, name, {"content": event["text"]}, None) if chat else
                                    completion_body(rid, name, event["text"], None, None, chunk=True))
                     elif event["type"] == "end":
-                        use = usage(start["prompt_tokens"], event["completion_tokens"], start["cached_tokens"])
+                        use = usage(start["prompt_tokens"], event["completion_tokens"], start["cached_tokens"],
+                                    start.get("segment_tokens", 0))
                         yield _sse(chat_chunk(rid, name, {}, event["finish_reason"]) if chat else
                                    completion_body(rid, name, "", event["finish_reason"], None, chunk=True))
                         if include_usage:

@@ -103,10 +103,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, segment_tokens: int = 0) -> dict:
+    """OpenAI usage; `cached_tokens` is the exact prefix hit, `position_independent_tokens` (a kvcluster
+    extension) the tokens of `kv_reuse: anywhere` messages reused from another offset."""
+    details = {"cached_tokens": cached_tokens}
+    if segment_tokens:
+        details["position_independent_tokens"] = segment_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None,

@@ -78,13 +78,15 @@ class KVReplica:
         params = SamplingParams.model_validate(request["params"])
         try:
             gen = await asyncio.to_thread(self._locked, self.runner.start, request["prompt_ids"], params,
-                                          request.get("cache_salt", ""), request.get("spans", ()))
+                                          request.get("cache_salt", ""), request.get("spans", ()),
+                                          request.get("segments", ()))
         except RequestTooLong as exc:
             yield {"type": "error", "message": str(exc)}
             return
         metrics.ttft().observe(gen.ttft_s, {"model": self.cfg.name})
         metrics.cached_tokens().observe(gen.cached_tokens, {"model": self.cfg.name})
         yield {"type": "start", "prompt_tokens": len(gen.prompt_ids), "cached_tokens": gen.cached_tokens,
+               "segment_tokens": gen.segment_tokens,
                "ttft_s": gen.ttft_s, "fetch_s": gen.fetch_s, "node": self.node}
         try:
             while True:

@@ -79,6 +79,10 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
         after = ray.get(predictor.snapshot.remote())
         assert after.alpha == before.alpha and after.beta == before.beta  # posteriors restored
+        index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+        deadline = time.monotonic() + 30
+        while ray.get(index.longest_prefix.remote(keys)).length < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the restarted pfs tier announces the files it found (one batched event)
         runner = ModelRunner(loaded)
         runner.store = replica_store(runner)
         again = runner.complete(tokens, GREEDY)

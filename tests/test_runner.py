@@ -169,3 +169,42 @@ def test_rerotated_payloads_equal_payloads_computed_at_the_new_position(name):
     stale = torch.from_numpy(runner.codec.encode(at_zero, 0, 1)[0]).view(torch.float32)
     assert not torch.allclose(stale, torch.from_numpy(expected[0]).view(torch.float32), atol=1e-2)
     assert lay.nbytes() == moved[0].nbytes
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_segment_cached_at_one_offset_is_reused_at_another_with_rerotated_keys(name):
+    """RoPE-aware reuse in the runner: a document cached after one prefix is spliced in after another.
+
+    Its stored keys were rotated back to position 0 and are rotated to the new offset on fetch, so layer 0
+    (whose keys depend only on token and position) holds exactly what prefill computes there."""
+    loaded = load_model(name)
+    runner = cached_runner(loaded)
+    doc = prompt(64, seed=7)
+    first = prompt(40, seed=8) + doc + prompt(10, seed=9)
+    second = prompt(23, seed=10) + doc + prompt(12, seed=11)
+    runner.complete(first, GREEDY, segments=[(40, 104)])
+    gen = runner.start(second, GREEDY, segments=[(23, 87)])
+    assert gen.cached_tokens == 0 and gen.segment_tokens == 64
+    cold = ModelRunner(loaded)
+    with torch.inference_mode():
+        reference = cold.codec.new_cache()
+        loaded.model(input_ids=torch.tensor([second]), cache=reference, use_cache=True)
+    for slot in ("keys", "values"):
+        got = getattr(gen.cache.layers[0], slot)[0, :, 23:87]
+        want = getattr(reference.layers[0], slot)[0, :, 23:87]
+        assert torch.allclose(got, want, atol=1e-4), (slot, float((got - want).abs().max()))
+    runner.finish(gen)
+    unrotated = runner.codec.encode(reference, 0, 1, start_token=23)
+    canonical = runner.codec.rerotate(unrotated, -23, runner.rope)
+    assert not np.array_equal(unrotated[0], canonical[0])  # the stored copy sits at position 0, not 23
+
+
+def test_segments_are_tenant_scoped_and_need_a_full_block():
+    loaded = load_model("kvcluster-tiny-llama")
+    runner = cached_runner(loaded)
+    doc = prompt(48, seed=12)
+    runner.complete(prompt(20, seed=13) + doc + [5], GREEDY, cache_salt="a", segments=[(20, 68)])
+    other = runner.start(prompt(30, seed=14) + doc + [6], GREEDY, cache_salt="b", segments=[(30, 78)])
+    assert other.segment_tokens == 0  # another tenant's document is never reused
+    short = runner.start(prompt(30, seed=14) + doc + [6], GREEDY, cache_salt="a", segments=[(30, 40)])
+    assert short.segment_tokens == 0 and short.segments == []

@@ -162,3 +162,20 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     assert not missing, f"missing {missing}"
     assert 'tier="dram"' in text and 'outcome="hit"' in text and 'how="write_through"' in text
     assert 'endpoint="/v1/completions",status="200"' in text or 'status="200"' in text
+
+
+def test_a_tool_result_marked_reusable_anywhere_is_served_at_another_offset(endpoint):
+    """kv_reuse: anywhere on a message: its blocks come back re-rotated after a different prefix."""
+    tool = {"role": "tool", "content": "Search result: " + DOC[:500], "kv_reuse": "anywhere"}
+    first = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Find it."}, tool]
+    second = [{"role": "system", "content": "A different, somewhat longer system prompt than before."},
+              {"role": "user", "content": "Look this up for me please."}, tool]
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    a = httpx.post(f"{endpoint}/v1/chat/completions", json={**body, "messages": first}, timeout=120).json()
+    b = httpx.post(f"{endpoint}/v1/chat/completions", json={**body, "messages": second}, timeout=120).json()
+    assert a["usage"]["prompt_tokens_details"].get("position_independent_tokens", 0) == 0
+    details = b["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] < 16 and details["position_independent_tokens"] >= 64
+    plain = [dict(m, kv_reuse="prefix") for m in second]  # without the opt-in nothing moves
+    c = httpx.post(f"{endpoint}/v1/chat/completions", json={**body, "messages": plain}, timeout=120).json()
+    assert "position_independent_tokens" not in c["usage"]["prompt_tokens_details"]

@@ -10,7 +10,7 @@ reuse predictor's block types come from them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,9 @@ class ChatMessage(BaseModel):
     role: str = Field(pattern="^(system|developer|user|assistant|tool)$")
     content: str | list[dict] | None = None
     name: str | None = None
+    kv_reuse: Literal["prefix", "anywhere"] = Field(
+        "prefix", description="anywhere: this message's KV may be reused at another position (a document or tool "
+                              "result), re-rotated; approximate beyond layer 0, so opt-in.")
 
     def text(self) -> str:
         """Plain text content (OpenAI content parts of type text are joined)."""
@@ -37,6 +40,18 @@ class ChatMessage(BaseModel):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
+
+
+def reusable_segments(messages: Sequence[ChatMessage], spans: Sequence[tuple[BlockType, int]]) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of the messages marked `kv_reuse: anywhere` (spans[0] is the BOS token)."""
+    out, at = [], spans[0][1] if spans else 0
+    if len(spans) != len(messages) + 1:  # a checkpoint's own template: no per-message spans
+        return []
+    for m, (_, n) in zip(messages, spans[1:]):
+        if m.kv_reuse == "anywhere":
+            out.append((at, at + n))
+        at += n
+    return out
 
 
 def render_chat(tokenizer, messages: Sequence[ChatMessage]) -> tuple[list[int], list[tuple[BlockType, int]]]:

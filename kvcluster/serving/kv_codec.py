@@ -57,13 +57,14 @@ class KVCodec:
                 layer.activate_past_recording()
         return cache
 
-    def encode(self, cache, first_block: int, last_block: int) -> list[np.ndarray]:
-        """Payloads of blocks [first_block, last_block) of the cached sequence (uint8 arrays)."""
+    def encode(self, cache, first_block: int, last_block: int, start_token: int = 0) -> list[np.ndarray]:
+        """Payloads of blocks [first_block, last_block) of the cached sequence (uint8 arrays), blocks counted
+        from token `start_token` (0: the sequence's own blocks; a segment's start for its blocks)."""
         n = last_block - first_block
         if n <= 0:
             return []
         B, lay = self.layout.block_tokens, self.layout
-        lo, hi = first_block * B, last_block * B
+        lo, hi = start_token + first_block * B, start_token + last_block * B
         per_layer = []
         for i in lay.layers:
             layer = cache.layers[i]
@@ -95,24 +96,34 @@ class KVCodec:
         tensors. The runner always prefills at least one token right away.
         """
         cache = self.new_cache()
+        for layer, k, v in self._layer_states(payloads, reuse_buffer):
+            self._set(cache.layers[layer], k, v)
+        return cache
+
+    def append(self, cache, payloads: Sequence[np.ndarray]) -> None:
+        """Extend a cache with the blocks' tokens (a reused segment after what the cache holds)."""
+        for layer, k, v in self._layer_states(payloads, reuse=False):
+            cache.layers[layer].update(k.contiguous(), v.contiguous())
+
+    def _layer_states(self, payloads: Sequence[np.ndarray], reuse: bool):
+        """(layer index, keys, values) of the blocks, per layer as the cache holds them."""
         if not payloads:
-            return cache
+            return
         lay, n, B = self.layout, len(payloads), self.layout.block_tokens
         if lay.kind == "latent":
-            whole = self._buffer((len(lay.layers), n, B, lay.head_dim), reuse_buffer)  # [L, n, B, W]
+            whole = self._buffer((len(lay.layers), n, B, lay.head_dim), reuse)  # [L, n, B, W]
             for j, p in enumerate(payloads):
                 whole[:, j] = self._typed(p)
             whole = whole.to(self.device).view(len(lay.layers), 1, 1, n * B, lay.head_dim)
             for pos, i in enumerate(lay.layers):
-                self._set(cache.layers[i], whole[pos, ..., : self.latent_rank], whole[pos, ..., self.latent_rank :])
+                yield i, whole[pos, ..., : self.latent_rank], whole[pos, ..., self.latent_rank :]
         else:
-            whole = self._buffer((len(lay.layers), 2, lay.kv_heads, n, B, lay.head_dim), reuse_buffer)
+            whole = self._buffer((len(lay.layers), 2, lay.kv_heads, n, B, lay.head_dim), reuse)
             for j, p in enumerate(payloads):
                 whole[:, :, :, j] = self._typed(p)
             whole = whole.to(self.device).view(len(lay.layers), 2, 1, lay.kv_heads, n * B, lay.head_dim)
             for pos, i in enumerate(lay.layers):
-                self._set(cache.layers[i], whole[pos, 0], whole[pos, 1])
-        return cache
+                yield i, whole[pos, 0], whole[pos, 1]
 
     def landing(self, blocks: int) -> np.ndarray:
         """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch)."""

@@ -27,6 +27,7 @@ from ..traces.classify import majority_block_types
 from .block_store import BlockStore
 from .kv_codec import KVCodec
 from .models import LoadedModel
+from .rope import rope_geometry
 from .sampling import SamplingParams, make_generator, next_token
 
 
@@ -42,7 +43,9 @@ class Generation:
     params: SamplingParams
     cache_salt: str
     spans: list[tuple[int, int]] = field(default_factory=list)  # (block type, tokens) of the prompt
-    cached_tokens: int = 0
+    segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) reusable at any position
+    cached_tokens: int = 0  # the exact prefix served from the cache
+    segment_tokens: int = 0  # segment tokens served from the cache at another position (re-rotated)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded output so far, stop strings cut off
     emitted: int = 0  # characters of `text` already handed out
@@ -75,6 +78,7 @@ class ModelRunner:
         # transformers >= 5.20 names the cache argument `cache`; earlier 5.x (e.g. a GPU image's 5.17) `past_key_values`
         params = inspect.signature(loaded.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.rope = rope_geometry(loaded.model)  # None: absolute positions, segments cannot move
         self.keys = KeySpace(model=loaded.fingerprint, root_seed=root_seed)
         self._stop_holdback = 0
 
@@ -95,17 +99,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-              spans: Sequence[tuple[int, int]] = ()) -> Generation:
-        """Fetch the cached prefix, prefill the rest and pick the first token."""
+              spans: Sequence[tuple[int, int]] = (), segments: Sequence[tuple[int, int]] = ()) -> Generation:
+        """Fetch the cached prefix, prefill the rest and pick the first token.
+
+        `segments` are token ranges whose KV may come from anywhere it was cached before
+        (a document or tool result that appeared at another offset): their blocks are
+        keyed by content alone, stored rotated to position 0 and re-rotated to where they
+        sit now. Opt-in: only layer 0 is then exactly what prefill would compute, since
+        deeper layers saw a different context; prefix reuse stays exact.
+        """
         self.check_fits(len(prompt_ids), params.max_tokens)
         t0 = time.perf_counter()
         gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
-                         generator=make_generator(params, self.device))
+                         self._usable_segments(segments, len(prompt_ids)), generator=make_generator(params, self.device))
         payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
         gen.cache = self.codec.decode(payloads, reuse_buffer=True)  # the prefill below copies out of it
         gen.cached_tokens = len(payloads) * self.block_tokens
         gen.fetch_s = time.perf_counter() - t0
-        out = self._forward(gen.prompt_ids[gen.cached_tokens :], gen.cache)
+        pos = gen.cached_tokens
+        for s, e in gen.segments:
+            if s < pos:
+                continue
+            found = self._fetch_segment(gen, s, e)
+            if not found:
+                continue
+            if s > pos:
+                self._forward(gen.prompt_ids[pos:s], gen.cache)
+            self.codec.append(gen.cache, self.codec.rerotate(found, s, self.rope))
+            pos = s + len(found) * self.block_tokens
+            gen.segment_tokens += pos - s
+        out = self._forward(gen.prompt_ids[pos:], gen.cache)
         self._accept(gen, next_token(out.logits[0, -1], params, gen.generator))
         gen.ttft_s = time.perf_counter() - t0
         return gen
@@ -137,6 +160,11 @@ class ModelRunner:
             if keys:  # even with nothing new: the store tells the reuse predictor these blocks were used
                 self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)))
                 gen.stored_blocks = len(new)
+            for s, e in gen.segments:  # content-keyed copies, rotated back to position 0
+                blocks = (min(e, len(seq)) - s) // self.block_tokens
+                if blocks > 0:
+                    canonical = self.codec.rerotate(self.codec.encode(gen.cache, 0, blocks, start_token=s), -s, self.rope)
+                    self.store.store(self._segment_keys(gen, s, blocks), canonical)
         gen.cache = None
 
     def pairs(self, gen: Generation, blocks: int) -> list[int]:
@@ -146,9 +174,10 @@ class ModelRunner:
         transition = TransitionType.APPEND if gen.cached_tokens else TransitionType.FIRST
         return [pair_index(t, transition) for t in types]
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Iterator[str]:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+                 segments: Sequence[tuple[int, int]] = ()) -> Iterator[str]:
         """Text deltas of a whole request (the streaming form of start/step/finish)."""
-        gen = self.start(prompt_ids, params, cache_salt)
+        gen = self.start(prompt_ids, params, cache_salt, segments=segments)
         try:
             while True:
                 delta = self.new_text(gen)
@@ -160,9 +189,10 @@ class ModelRunner:
         finally:
             self.finish(gen)
 
-    def complete(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "") -> Generation:
+    def complete(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+                 segments: Sequence[tuple[int, int]] = ()) -> Generation:
         """Run a request to the end (non-streaming)."""
-        gen = self.start(prompt_ids, params, cache_salt)
+        gen = self.start(prompt_ids, params, cache_salt, segments=segments)
         try:
             while not gen.done:
                 self.step(gen)
@@ -176,6 +206,30 @@ class ModelRunner:
     def _forward(self, token_ids: Sequence[int], cache):
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         return self.loaded.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+
+    def _usable_segments(self, segments: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+        """Segments holding at least one full block, inside the prompt, not overlapping; none without RoPE."""
+        if self.rope is None or self.store is None:
+            return []
+        out, last = [], 0
+        for s, e in sorted((int(s), min(int(e), n - 1)) for s, e in segments):  # the last token is always computed
+            if s >= last and e - s >= self.block_tokens:
+                out.append((s, e))
+                last = e
+        return out
+
+    def _segment_keys(self, gen: Generation, start: int, blocks: int) -> list[BlockKey]:
+        tokens = gen.prompt_ids[start : start + blocks * self.block_tokens]
+        return self.keys.chain_token_ids(tokens, self.block_tokens, f"{gen.cache_salt}\x1fsegment")
+
+    def _fetch_segment(self, gen: Generation, start: int, end: int) -> list[np.ndarray]:
+        keys = self._segment_keys(gen, start, (end - start) // self.block_tokens)
+        found = []
+        for p in self.store.fetch(keys):
+            if not self.codec.check(p):
+                break
+            found.append(p)
+        return found
 
     def _fetch_prefix(self, prompt_ids: list[int], cache_salt: str) -> list[np.ndarray]:
         if self.store is None:
