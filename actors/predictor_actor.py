@@ -34,6 +34,7 @@ class PredictorActor:
         if self.path.is_file():
             raw = json.loads(self.path.read_text())
             self.predictor.restore(PredictorSnapshot(raw["version"], tuple(raw["alpha"]), tuple(raw["beta"])))
+        self._publish()  # the dashboard shows the prior (or the restored posteriors) from the start
 
     def observe(self, keys: list[bytes], pairs: list[int], now: float) -> int:
         """One request's (or one tier's) access events; returns the snapshot version after them."""

@@ -150,7 +150,7 @@ def test_saturation_sheds_with_503_and_retry_after(endpoint, expected):
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
           "cache_salt", "logprobs", "stream_options", "max_completion_tokens", "echo", "user"]
-JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False, width=32),
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False, allow_infinity=False, width=32),
                       st.text(max_size=12), st.sampled_from([MODEL, "user", "assistant", "wizard", ""]))
 JSON_VALUE = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                              st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage"]) | st.text(max_size=5), inner, max_size=3)),
