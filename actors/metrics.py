@@ -41,14 +41,21 @@ def evictions() -> Counter:
 
 @lru_cache(maxsize=None)
 def prefetches() -> Counter:
-    return Counter("kvcluster_prefetch", "Blocks promoted ahead of use by the placement controller (outcome=issued).",
-                   tag_keys=("outcome",))
+    return Counter("kvcluster_prefetch", "Blocks promoted ahead of use by the placement controller: issued, then "
+                   "hit (read before leaving the tier) or wasted (deleted unread).", tag_keys=("outcome",))
 
 
 @lru_cache(maxsize=None)
 def posterior_mean() -> Gauge:
     return Gauge("kvcluster_predictor_posterior_mean", "Mean of the Beta posterior of P(reuse) per pair.",
                  tag_keys=("block_type", "transition"))
+
+
+@lru_cache(maxsize=None)
+def belady_gap() -> Gauge:
+    """Belady's hit rate minus the tier policy's, over the replica's recent requests (kvcluster.belady_gap)."""
+    return Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per tier.",
+                 tag_keys=("node", "tier"))
 
 
 @lru_cache(maxsize=None)
@@ -72,3 +79,15 @@ def requests() -> Counter:
 def faults() -> Counter:
     return Counter("kvcluster_faults", "Faults absorbed as misses (kind: actor_unavailable, corrupt, put_refused, "
                    "index_unavailable, stream_failed).", tag_keys=("component", "kind"))
+
+
+def publish_posteriors(snapshot) -> None:
+    """A predictor snapshot's posterior means, one gauge value per (block type, transition)."""
+    from kvcluster.block_types import BlockType, TransitionType, pair_index
+
+    gauge = posterior_mean()
+    for bt in BlockType:
+        for tr in TransitionType:
+            i = pair_index(bt, tr)
+            gauge.set(snapshot.alpha[i] / (snapshot.alpha[i] + snapshot.beta[i]),
+                      {"block_type": bt.name.lower(), "transition": tr.name.lower()})

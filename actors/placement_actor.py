@@ -78,9 +78,11 @@ class PlacementController:
             to_copy = [m.key for m in group if m.copy]
             acked: set[bytes] = {m.key for m in group if not m.copy}
             via: Counter = Counter()
+            prefetch = all(m.reason == "promote" for m in group)
             if to_copy and src[0] != dst[0] and src[1] in NIXL_TIERS:
                 stored = ray.get(actors[dst].pull.remote(actor_name(*src), to_copy,
-                                                         [pairs.get(k, DEFAULT_PAIR) for k in to_copy]), timeout=120)
+                                                         [pairs.get(k, DEFAULT_PAIR) for k in to_copy], prefetch),
+                                 timeout=120)
                 acked.update(k for k, good in zip(to_copy, stored) if good)
                 via["nixl"] += sum(bool(g) for g in stored)
                 done["put_refused"] += sum(g is False for g in stored)
@@ -92,7 +94,8 @@ class PlacementController:
                 if present:
                     ks = [k for k, _ in present]
                     ok = ray.get(actors[dst].put_many.remote(ks, [p for _, p in present],
-                                                             [pairs.get(k, DEFAULT_PAIR) for k in ks]), timeout=60)
+                                                             [pairs.get(k, DEFAULT_PAIR) for k in ks], prefetch),
+                                 timeout=60)
                     acked.update(k for k, good in zip(ks, ok) if good)
                     done["put_refused"] += sum(not good for good in ok)
                     via["object_store"] += sum(ok)

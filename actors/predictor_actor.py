@@ -14,7 +14,6 @@ from pathlib import Path
 
 import ray
 
-from kvcluster.block_types import BlockType, TransitionType, pair_index
 from kvcluster.predictor import PredictorConfig, PredictorSnapshot, ReusePredictor
 
 from . import metrics
@@ -46,14 +45,8 @@ class PredictorActor:
         return self.predictor.version
 
     def _publish(self) -> None:
-        """Posterior means as gauges: what the dashboard shows per (block type, transition)."""
-        snap = self.predictor.snapshot()
-        gauge = metrics.posterior_mean()
-        for bt in BlockType:
-            for tr in TransitionType:
-                i = pair_index(bt, tr)
-                gauge.set(snap.alpha[i] / (snap.alpha[i] + snap.beta[i]),
-                          {"block_type": bt.name.lower(), "transition": tr.name.lower()})
+        """Posterior means as gauges (replicas publish them too, from their snapshots)."""
+        metrics.publish_posteriors(self.predictor.snapshot())
 
     def snapshot(self) -> PredictorSnapshot:
         return self.predictor.snapshot()

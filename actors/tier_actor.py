@@ -61,6 +61,7 @@ class TierActor:
         self._nixl: NixlPeerPool | None = None
         self._peers: dict[str, RDMABackend] = {}
         self._pulled = 0
+        self._prefetched: set[bytes] = set()  # promoted here by the placement controller, not read yet
         if ray.get_runtime_context().was_current_actor_reconstructed:
             metrics.faults().inc(1, {"component": self._where, "kind": "restarted"})
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
@@ -70,9 +71,13 @@ class TierActor:
             for i in range(0, len(held), 4096):
                 self.index.stored.remote(self.cfg.node, "pfs", held[i : i + 4096])
 
-    def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None) -> list[bool]:
+    def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
+                 prefetch: bool = False) -> list[bool]:
+        """Store blocks; `prefetch`: the placement controller promoted them here ahead of use."""
         ok = self.backend.put_many(list(zip(keys, payloads)))
         stored = [k for k, good in zip(keys, ok) if good]
+        if prefetch:
+            self._prefetched.update(stored)
         if stored:
             kept = None if pairs is None else [p for p, good in zip(pairs, ok) if good]
             self.index.stored.remote(self.cfg.node, self.cfg.tier, stored, kept)
@@ -88,6 +93,11 @@ class TierActor:
         if bad:  # missing or corrupt here: make sure nobody is sent here for it again
             self.index.removed.remote(self.cfg.node, self.cfg.tier, bad)
         corrupt = self.backend.stats().get("corrupt", 0) - corrupt_before
+        if self._prefetched:
+            used = [k for k, g in zip(keys, got) if g is not None and k in self._prefetched]
+            if used:
+                self._prefetched.difference_update(used)
+                metrics.prefetches().inc(len(used), {"outcome": "hit"})
         tags = {"node": self.cfg.node, "tier": self.cfg.tier}
         if len(keys) > len(bad):
             metrics.tier_lookups().inc(len(keys) - len(bad), {**tags, "outcome": "hit"})
@@ -100,6 +110,11 @@ class TierActor:
         return got
 
     def delete(self, keys: list[bytes]) -> int:
+        if self._prefetched:
+            unread = [k for k in keys if k in self._prefetched]
+            if unread:
+                self._prefetched.difference_update(unread)
+                metrics.prefetches().inc(len(unread), {"outcome": "wasted"})
         n = self.backend.delete(keys)
         self.index.removed.remote(self.cfg.node, self.cfg.tier, keys)
         self._report_bytes()
@@ -115,7 +130,7 @@ class TierActor:
         metrics.tier_bytes().set(self.backend.capacity_bytes, {**tags, "kind": "capacity"})
 
     def stats(self) -> dict:
-        return {**self.backend.stats(), "nixl_pulled_blocks": self._pulled}
+        return {**self.backend.stats(), "nixl_pulled_blocks": self._pulled, "prefetched_unread": len(self._prefetched)}
 
     # ---- NIXL: this tier's pool as a peer of other nodes -------------------------------------------------
 
@@ -146,7 +161,7 @@ class TierActor:
     def usage(self) -> int:
         return self.backend.used_bytes
 
-    def pull(self, source: str, keys: list[bytes], pairs: list[int] | None = None,
+    def pull(self, source: str, keys: list[bytes], pairs: list[int] | None = None, prefetch: bool = False,
              staging_bytes: int = 64 << 20) -> list[bool | None]:
         """Copy `keys` from the memory tier actor named `source` (another node) into this tier over NIXL.
 
@@ -166,7 +181,7 @@ class TierActor:
             return [None] * len(keys)
         present = [i for i, g in enumerate(got) if g is not None]
         ok = self.put_many([keys[i] for i in present], [got[i] for i in present],
-                           None if pairs is None else [pairs[i] for i in present])
+                           None if pairs is None else [pairs[i] for i in present], prefetch)
         self._pulled += sum(ok)
         out: list[bool | None] = [None] * len(keys)
         for i, good in zip(present, ok):

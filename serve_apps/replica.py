@@ -19,6 +19,7 @@ import torch
 from ray import serve
 
 from actors.cluster import node_ids, up
+from kvcluster.belady_gap import BeladyGapEstimator
 from kvcluster.cluster_config import load_cluster_config
 from kvcluster.serving.block_store import LocalBlockStore
 from kvcluster.serving.models import load_model
@@ -31,6 +32,9 @@ from actors import metrics
 
 from .cluster_store import ClusterBlockStore
 from .config import ServeAppConfig
+
+
+GAP_EVERY = 20  # requests between two estimates of the hbm tier's gap to Belady
 
 
 def cache_cluster(cfg: ServeAppConfig):
@@ -65,6 +69,7 @@ class KVReplica:
             runner.store = hbm
         self.runner = runner
         self._hbm = hbm
+        self._gap = BeladyGapEstimator(self.cfg.hbm_blocks, policy="lru", block_size=self.cfg.block_tokens)
         self._evictions_reported = 0
         self._model_lock = threading.Lock()  # one forward at a time; requests interleave between steps
         self.served = 0
@@ -100,6 +105,9 @@ class KVReplica:
             await asyncio.to_thread(self._locked, self.runner.finish, gen)
             self.served += 1
             self._report_hbm()
+            self._gap.record(self.runner.block_keys(gen.prompt_ids[: len(gen.prompt_ids) - 1], gen.cache_salt))
+            if self.served % GAP_EVERY == 0:
+                await self._report_model_of_reuse()
         yield {"type": "end", "finish_reason": gen.finish_reason, "completion_tokens": gen.completion_tokens,
                "stored_blocks": gen.stored_blocks}
 
@@ -114,6 +122,20 @@ class KVReplica:
         if new:
             metrics.evictions().inc(new, {**tags, "unit": "block"})
             self._evictions_reported += new
+
+    async def _report_model_of_reuse(self) -> None:
+        """Every GAP_EVERY requests: the hbm tier's estimated gap to Belady, and the predictor snapshot's
+        posterior means (the replica's local copy of the global predictor), as gauges."""
+        estimate = await asyncio.to_thread(self._gap.estimate)
+        if estimate is not None:
+            metrics.belady_gap().set(estimate.gap, {"node": self.node or "local", "tier": "hbm"})
+        predictor = getattr(self.runner.store, "predictor", None)
+        if predictor is not None:
+            try:
+                snap = await predictor.snapshot.remote()
+            except ray.exceptions.RayError:
+                return
+            metrics.publish_posteriors(snap)
 
     def info(self) -> dict:
         store = self.runner.store

@@ -113,3 +113,15 @@ def test_placement_controller_spills_a_full_tier_without_losing_a_block(cluster_
     from_pfs = ray.get(pfs.get_many.remote([k for k, g in zip(keys, got) if g is None]))
     assert len(from_pfs) == 4 and all(p is not None for p in from_pfs)
     assert ray.get(controller.step.remote()) == {"planned": 0}  # idempotent: nothing left to do
+
+
+def test_prefetched_blocks_are_counted_as_hit_or_wasted(cluster_actors) -> None:
+    """Blocks the placement controller promotes are tracked until read (hit) or deleted unread (wasted)."""
+    _, _, dram, _ = cluster_actors
+    keys = [bytes(k) for k in KeySpace(model="prefetch").chain_hash_ids(list(range(3)))]
+    assert ray.get(dram.put_many.remote(keys, [np.zeros(4096, np.uint8)] * 3, None, True)) == [True] * 3
+    assert ray.get(dram.stats.remote())["prefetched_unread"] == 3
+    ray.get(dram.get_many.remote(keys[:1]))
+    ray.get(dram.delete.remote(keys[1:2]))
+    assert ray.get(dram.stats.remote())["prefetched_unread"] == 1
+    ray.get(dram.delete.remote(keys))

@@ -108,7 +108,8 @@ class WrongSizeStore:
 
     def fetch(self, keys, out=None):
         got = self.inner.fetch(keys, out)
-        return got[:2] + [got[2][:100]] + got[3:] if len(got) > 3 else got
+        truncated = np.frombuffer(np.ascontiguousarray(got[2]).tobytes()[:100], dtype=np.uint8) if len(got) > 3 else None
+        return got[:2] + [truncated] + got[3:] if len(got) > 3 else got
 
     def store(self, keys, payloads, pairs=None):
         self.inner.store(keys, payloads, pairs)
