@@ -503,8 +503,9 @@ class RunnerModel:
         if self.cache_kwarg is None:
             raise RuntimeError(f"{type(model).__name__}.forward takes neither cache= nor past_key_values=")
 
-    def __call__(self, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
-        kwargs[self.cache_kwarg] = cache
+    def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        if "cache" in kwargs and self.cache_kwarg != "cache":  # the runner itself already names it right
+            kwargs[self.cache_kwarg] = kwargs.pop("cache")
         return self.model(input_ids=input_ids.to(self.device), **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -544,13 +545,12 @@ def served_model(plan: Plan) -> tuple[Any, dict]:
 
 
 def make_runner(loaded: Any, plan: Plan, store: Any):
-    """A ModelRunner whose codec puts restored caches on the model's device."""
-    from kvcluster.serving.kv_codec import KVCodec
+    """A ModelRunner on the plan's model; it finds the model's device and cache argument itself."""
     from kvcluster.serving.runner import ModelRunner
 
     runner = ModelRunner(loaded, store, plan.block_tokens)
-    if getattr(runner.codec, "device", torch.device("cpu")) != torch.device(plan.device):
-        runner.codec = KVCodec(runner.layout, loaded.model.config, device=plan.device)
+    if runner.device.type != torch.device(plan.device).type:
+        raise RuntimeError(f"the runner sees the model on {runner.device}, the plan wants {plan.device}")
     return runner
 
 

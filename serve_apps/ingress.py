@@ -326,6 +326,8 @@ class OpenAIIngress:
             except Exception as exc:  # the replica died mid-stream: say so in-band, then end the stream
                 log.warning("stream %s failed: %s", rid, exc)
                 metrics.faults().inc(1, {"component": "ingress", "kind": "stream_failed"})
+                if isinstance(exc, REPLICA_LOST):
+                    metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
                 yield _sse(error_body(f"generation failed: {type(exc).__name__}; retry the request",
                                       kind="server_error"))
             finally:

@@ -96,3 +96,27 @@ def test_dry_run_moves_and_sizes_are_right(dry_report: tuple[dict, str]) -> None
     else:
         assert "nixl" in sections["nixl"]["skipped"]
     assert sections["sizing"]["exact"] is True  # on the CPU: the cache's tensor bytes
+
+
+def test_the_model_view_passes_the_cache_under_the_name_transformers_takes() -> None:
+    """A GPU image may ship transformers 5.17 (`past_key_values=`): the runner's own call and the check's
+    `cache=` calls both reach the model with the cache, never None."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from gpu_check import RunnerModel
+    finally:
+        sys.path.pop(0)
+
+    class OldModel(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return input_ids.device, past_key_values, kwargs
+
+    view = RunnerModel(OldModel(), "cpu")
+    cache = object()
+    assert view.cache_kwarg == "past_key_values"
+    assert view(input_ids=torch.zeros(1, 2, dtype=torch.long), past_key_values=cache)[1] is cache
+    assert view(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache, use_cache=True)[1:] == (cache, {})

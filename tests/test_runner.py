@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,30 @@ def test_segments_are_tenant_scoped_and_need_a_full_block():
     assert other.segment_tokens == 0  # another tenant's document is never reused
     short = runner.start(prompt(30, seed=14) + doc + [6], GREEDY, cache_salt="a", segments=[(30, 40)])
     assert short.segment_tokens == 0 and short.segments == []
+
+
+def test_per_layer_rope_model_reuses_prefixes_and_turns_segments_off(tmp_path):
+    """gemma-3 keeps a different RoPE per layer type: segments cannot be re-rotated with one frequency set, so
+    they are skipped (computed), while prefix reuse over its hybrid sliding/global cache still gives exact logits."""
+    config = dict(model_type="gemma3_text", vocab_size=32000, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  sliding_window=32, max_position_embeddings=1024)
+    path = tmp_path / "tiny-gemma3.json"
+    path.write_text(json.dumps(config))
+    loaded = load_model(str(path))
+    with pytest.raises(NotImplementedError):
+        rope_geometry(loaded.model)
+    runner = cached_runner(loaded)
+    assert runner.rope is None
+    doc = prompt(48, seed=15)
+    tokens = prompt(33, seed=16) + doc + [7]
+    first = runner.start(tokens, GREEDY, segments=[(33, 81)])
+    assert first.segment_tokens == 0 and first.segments == []
+    runner.finish(first)
+    payloads = runner.store.fetch(runner.block_keys(tokens[:80]))
+    assert len(payloads) == 5
+    with torch.inference_mode():
+        restored = runner.codec.decode(payloads)
+        warm = loaded.model(input_ids=torch.tensor([tokens[80:]]), cache=restored, use_cache=True).logits[0, -1]
+        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())

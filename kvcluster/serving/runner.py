@@ -12,6 +12,7 @@ finds its whole history.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -27,8 +28,10 @@ from ..traces.classify import majority_block_types
 from .block_store import BlockStore
 from .kv_codec import KVCodec
 from .models import LoadedModel
-from .rope import rope_geometry
+from .rope import RopeGeometry, rope_geometry
 from .sampling import SamplingParams, make_generator, next_token
+
+log = logging.getLogger(__name__)
 
 
 class RequestTooLong(KvclusterError):
@@ -66,6 +69,15 @@ class Generation:
         return len(self.output_ids) - int(self.hit_eos)
 
 
+def _segment_rope(model) -> RopeGeometry | None:
+    """The RoPE geometry segments are re-rotated with; None where they cannot be (then only prefixes are reused)."""
+    try:
+        return rope_geometry(model)
+    except NotImplementedError as exc:  # e.g. gemma-3: a different RoPE per layer type
+        log.info("segment reuse off for this model: %s", exc)
+        return None
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, store: BlockStore | None = None, block_tokens: int = 16,
                  root_seed: str = "kvcluster-v1") -> None:
@@ -78,7 +90,7 @@ class ModelRunner:
         # transformers >= 5.20 names the cache argument `cache`; earlier 5.x (e.g. a GPU image's 5.17) `past_key_values`
         params = inspect.signature(loaded.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.rope = rope_geometry(loaded.model)  # None: absolute positions, segments cannot move
+        self.rope = _segment_rope(loaded.model)  # None: segments cannot move (absolute or per-layer RoPE)
         self.keys = KeySpace(model=loaded.fingerprint, root_seed=root_seed)
         self._stop_holdback = 0
 
