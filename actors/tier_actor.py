@@ -9,7 +9,8 @@ Memory tiers (dram, cxl) also lend their pool to other nodes over NIXL: the
 `connect`/`lookup`/`reserve`/`commit`/`release`/`usage` batch calls are the rdma
 peer protocol, served from the very slab and slot table the tier uses. `pull`
 copies blocks from another node's memory tier into this one: one control call to
-the source, then the bytes move node to node in one NIXL read per batch.
+the source, then the bytes move node to node in one NIXL read per batch, landing
+directly in this tier's own slots.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvcluster.keys import BlockKey
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, StorageError, cxl_backend, dram_backend
 
 from . import metrics
@@ -75,6 +77,11 @@ class TierActor:
                  prefetch: bool = False) -> list[bool]:
         """Store blocks; `prefetch`: the placement controller promoted them here ahead of use."""
         ok = self.backend.put_many(list(zip(keys, payloads)))
+        self._stored(keys, ok, pairs, prefetch)
+        return ok
+
+    def _stored(self, keys: list[bytes], ok: list[bool], pairs: list[int] | None, prefetch: bool) -> None:
+        """Tell the index (one call), count refusals, track prefetches, report bytes."""
         stored = [k for k, good in zip(keys, ok) if good]
         if prefetch:
             self._prefetched.update(stored)
@@ -84,7 +91,6 @@ class TierActor:
         if len(stored) < len(keys):
             metrics.faults().inc(len(keys) - len(stored), {"component": self._where, "kind": "put_refused"})
         self._report_bytes()
-        return ok
 
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
         corrupt_before = self.backend.stats().get("corrupt", 0)
@@ -130,7 +136,9 @@ class TierActor:
         metrics.tier_bytes().set(self.backend.capacity_bytes, {**tags, "kind": "capacity"})
 
     def stats(self) -> dict:
-        return {**self.backend.stats(), "nixl_pulled_blocks": self._pulled, "prefetched_unread": len(self._prefetched)}
+        direct = sum(p.stats()["extra"].get("direct_reads", 0) for p in self._peers.values())
+        return {**self.backend.stats(), "nixl_pulled_blocks": self._pulled, "nixl_direct_reads": direct,
+                "prefetched_unread": len(self._prefetched)}
 
     # ---- NIXL: this tier's pool as a peer of other nodes -------------------------------------------------
 
@@ -165,6 +173,8 @@ class TierActor:
              staging_bytes: int = 64 << 20) -> list[bool | None]:
         """Copy `keys` from the memory tier actor named `source` (another node) into this tier over NIXL.
 
+        A memory tier lands the bytes straight in its own slots (its pool is registered with the pull's
+        NIXL agent: one read, one checksum pass, no copy); nvme/pfs go through staging and a put.
         Per key: True stored here, False refused here, None missing or unreadable at the source.
         """
         from .peer_pool_actor import ActorPeerControl
@@ -173,8 +183,13 @@ class TierActor:
             peer = self._peers.get(source)
             if peer is None:
                 handle = ray.get_actor(source, namespace=NAMESPACE)
-                peer = self._peers[source] = RDMABackend(ActorPeerControl(handle, timeout_s=30), staging_bytes, 1,
-                                                         name=f"kvc-pull-{self.cfg.node}-{self.cfg.tier}-{len(self._peers)}")
+                peer = RDMABackend(ActorPeerControl(handle, timeout_s=30), staging_bytes, 1,
+                                   name=f"kvc-pull-{self.cfg.node}-{self.cfg.tier}-{len(self._peers)}")
+                if self.cfg.tier in ("dram", "cxl"):
+                    peer.register(self.backend.pool)
+                self._peers[source] = peer
+            if self.cfg.tier in ("dram", "cxl"):
+                return self._land(peer, keys, pairs, prefetch)
             got = peer.get_many(keys)
         except (StorageError, ValueError):  # source gone or not NIXL-capable: nothing moved
             self._peers.pop(source, None)
@@ -186,6 +201,35 @@ class TierActor:
         out: list[bool | None] = [None] * len(keys)
         for i, good in zip(present, ok):
             out[i] = good
+        return out
+
+    def _land(self, peer: RDMABackend, keys: list[bytes], pairs: list[int] | None,
+              prefetch: bool) -> list[bool | None]:
+        """Reserve own slots, read the source's blocks into them, commit the ones that arrived intact."""
+        pool = self._export()
+        held = [BlockKey(k) in self.backend.table for k in keys]  # already here: nothing to move
+        fetch = [k for k, h in zip(keys, held) if not h]
+        reserved = iter(pool.reserve(fetch, [self.cfg.slot_bytes] * len(fetch)))
+        slots = [None if h else next(reserved) for h in held]
+        wanted = [i for i, slot in enumerate(slots) if slot is not None]
+        host = self.backend.pool.numpy()
+        results: list[np.ndarray | None] = [None] * len(wanted)
+        try:
+            digests = peer.read_into([BlockKey(keys[i]) for i in wanted], [host[slots[i]] for i in wanted], results)
+        except BaseException:
+            pool.cancel([keys[i] for i in wanted])
+            raise
+        arrived = [j for j, d in enumerate(digests) if d is not None]
+        pool.cancel([keys[wanted[j]] for j, d in enumerate(digests) if d is None])
+        pool.commit([keys[wanted[j]] for j in arrived], [slots[wanted[j]] for j in arrived],
+                    [results[j].nbytes for j in arrived], [digests[j] for j in arrived])
+        out: list[bool | None] = [True if h else False for h in held]  # no slot here: refused
+        for j, i in enumerate(wanted):
+            out[i] = True if digests[j] is not None else None
+        done = [i for i in range(len(keys)) if out[i] is not None]
+        self._stored([keys[i] for i in done], [bool(out[i]) for i in done],
+                     None if pairs is None else [pairs[i] for i in done], prefetch)
+        self._pulled += sum(1 for o in out if o)
         return out
 
     def describe(self) -> dict:

@@ -160,7 +160,12 @@ def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
     assert done["migrate"] == 3 and done["nixl_blocks"] == 3 and not done.get("object_store_blocks")
     got = ray.get(b_dram.get_many.remote(KEYS[:3]))
     assert all(np.array_equal(g, d) for g, d in zip(got, data))  # checksummed bytes, moved node to node
-    assert ray.get(b_dram.stats.remote())["nixl_pulled_blocks"] == 3
+    stats = ray.get(b_dram.stats.remote())
+    assert stats["nixl_pulled_blocks"] == 3 and stats["nixl_direct_reads"] == 1  # landed in B's own slots
+    assert stats["blocks"] == 3 and stats["used_bytes"] == 3 * cfg["slot_bytes"]
+    again = ray.get(b_dram.pull.remote("kvcluster/h/dram", KEYS[:3] + [b"\x07" * 16]), timeout=60)
+    assert again == [True, True, True, None]  # already here: nothing moved; unknown at the source: None
+    assert ray.get(b_dram.stats.remote())["blocks"] == 3
     held = wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations)
     assert ("b", "dram") in held[0] and ("h", "dram") in held[0]  # copy first: the source keeps its copy
     del predictor

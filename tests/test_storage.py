@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcluster.keys import KeySpace
+from kvcluster.keys import BlockKey, KeySpace
 from kvcluster.model_spec import load_model_spec
 from kvcluster.storage import (NVMeBackend, NixlPeerPool, PFSBackend, RDMABackend, StorageError, cxl_backend,
                                dram_backend, hbm_backend, layout_for)
@@ -102,26 +102,43 @@ def test_flipped_byte_on_disk_is_a_miss(tmp_path: Path) -> None:
     assert pfs.get_many([k]) == [None] and not path.exists()
 
 
-def _pfs_writer(root: str, key: bytes, fill: int, rounds: int) -> None:
+def _pfs_writer(root: str, race_keys: list[bytes], fill: int) -> None:
     backend = PFSBackend(root, 1 << 30)
     data = np.full(1 << 16, fill, dtype=np.uint8)
-    for _ in range(rounds):
-        backend.put_many([(key, data)])
+    for key in race_keys:  # every writer puts every key: each key is a race among the three
+        backend.put_many([(BlockKey(key), data)])
 
 
 def test_concurrent_pfs_writers_leave_one_valid_file(tmp_path: Path) -> None:
-    key = keys(1, "race")[0]
+    race = keys(30, "race")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_pfs_writer, args=(str(tmp_path), bytes(key), fill, 30)) for fill in (1, 2, 3)]
+    procs = [ctx.Process(target=_pfs_writer, args=(str(tmp_path), [bytes(k) for k in race], fill))
+             for fill in (1, 2, 3)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
     backend = PFSBackend(tmp_path, 1 << 30)
-    (got,) = backend.get_many([key])
-    assert got is not None and len(set(got.tolist())) == 1 and got[0] in (1, 2, 3)
-    assert list(tmp_path.glob("kv/*/*/*")) == [backend.path_for(key)]  # no temp files left behind
+    for got in backend.get_many(race):
+        assert got is not None and len(set(got.tolist())) == 1 and got[0] in (1, 2, 3)
+    assert sorted(tmp_path.glob("kv/*/*/*")) == sorted(backend.path_for(k) for k in race)  # no temp files left
+
+
+def test_a_key_already_on_pfs_is_not_written_again(tmp_path: Path) -> None:
+    pfs = PFSBackend(tmp_path, 1 << 20)
+    (k,) = keys(1, "dedup")
+    assert pfs.put_many([(k, np.full(4096, 7, dtype=np.uint8))]) == [True]
+    before = pfs.path_for(k).stat().st_mtime_ns, pfs.used_bytes
+    assert pfs.put_many([(k, np.full(4096, 7, dtype=np.uint8))]) == [True]
+    assert (pfs.path_for(k).stat().st_mtime_ns, pfs.used_bytes) == before
+    assert pfs.stats()["extra"]["already_stored"] == 1
+    raw = bytearray(pfs.path_for(k).read_bytes())
+    raw[-1] ^= 0xFF
+    pfs.path_for(k).write_bytes(bytes(raw))
+    assert pfs.get_many([k]) == [None]  # the corrupt copy is dropped on read ...
+    assert pfs.put_many([(k, np.full(4096, 7, dtype=np.uint8))]) == [True]
+    assert pfs.get_many([k])[0].tolist() == [7] * 4096  # ... and the next put writes it afresh
 
 
 def test_unwritable_directories_give_clear_errors(tmp_path: Path) -> None:
@@ -207,6 +224,55 @@ def test_rdma_moves_blocks_between_two_processes() -> None:
         proc.join(30)
 
 
+def _serve_pool_with_corruption(conn) -> None:
+    pool = NixlPeerPool(32, 1 << 16, name="peer-c")
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            conn.send(None)
+            return
+        if method == "flip":  # a bit flips in the peer's memory after the block was committed
+            pool.pool[pool.table.get(BlockKey(args[0])).slot, 5] ^= 0x01
+            conn.send(None)
+            continue
+        conn.send(getattr(pool, method)(*args))
+
+
+def test_rdma_moves_registered_memory_without_staging_and_still_verifies() -> None:
+    """Blocks sent from and landed in registered memory (a tier's own pool) skip the staging copy."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_pool_with_corruption, args=(child,))
+    proc.start()
+    try:
+        backend = RDMABackend(_PipePeer(parent), staging_bytes=1 << 16, slots=32, name="client-d")
+        block = 40_000
+        source, landing = torch.zeros((8, 1 << 16), dtype=torch.uint8), torch.zeros((8, 1 << 16), dtype=torch.uint8)
+        backend.register(source)
+        backend.register(landing)
+        data = payloads(torch.float8_e4m3fn, 8, numel=block)
+        for row, d in zip(source.numpy(), data):
+            row[:block] = d
+        ks = keys(8, "direct")
+        assert backend.put_many([(k, row[:block]) for k, row in zip(ks, source.numpy())]) == [True] * 8
+        out = list(landing.numpy())
+        got = backend.get_many(ks, out)
+        assert all(np.array_equal(g, d) and np.shares_memory(g, o) for g, d, o in zip(got, data, out))
+        stats = backend.stats()["extra"]
+        assert stats == {"direct_writes": 1, "direct_reads": 1}  # 320 KB moved past a 64 KiB staging buffer
+        parent.send(("flip", (bytes(ks[3]),)))
+        parent.recv()
+        again = backend.get_many(ks, out)
+        assert again[3] is None and all(a is not None for i, a in enumerate(again) if i != 3)
+        assert backend.contains(ks)[3] is False  # the corrupt copy was dropped at the peer
+        plain = backend.get_many(ks[:2])  # buffers outside registered memory: through staging, same bytes
+        assert all(np.array_equal(g, d) for g, d in zip(plain, data)) and backend.stats()["extra"]["direct_reads"] == 2
+    finally:
+        parent.send(("stop", ()))
+        parent.recv()
+        proc.join(30)
+
+
 class _FailingPeer:
     """A peer pool whose owner disappears at a chosen control call."""
 
@@ -239,3 +305,25 @@ def test_a_peer_lost_mid_call_gives_misses_not_errors(fail_on: str) -> None:
         host[pool.lookup([bytes(ks[0])])[0][0], 0] ^= 0xFF
         got = backend.get_many(ks)
         assert got[0] is None and all(np.array_equal(g, d) for g, d in zip(got[1:], data[1:]))
+
+
+@pytest.mark.parametrize("make", [dram_backend, cxl_backend])
+def test_a_large_batch_spread_over_threads_round_trips_and_catches_corruption(make) -> None:
+    """Batches past PARALLEL_MIN_BYTES copy and hash on several threads: same bytes, same miss on a flipped bit."""
+    block = 2 << 20
+    backend = make(8, block)
+    backend._workers.workers = max(backend._workers.workers, 2)  # the threaded path even on a 1-core runner
+    ks = keys(5, "threads")
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, 256, block, dtype=np.uint8) for _ in ks]
+    items = list(zip(ks, data)) + [(ks[0], data[4])]  # ks[0] twice: the later payload wins
+    assert backend.put_many(items) == [True] * 6
+    out = [np.empty(block, dtype=np.uint8) for _ in ks]
+    got = backend.get_many(ks, out)
+    assert np.array_equal(got[0], data[4]) and all(np.array_equal(g, d) for g, d in zip(got[1:], data[1:]))
+    assert all(np.shares_memory(g, o) for g, o in zip(got, out))  # landed in the caller's buffers
+    backend._host[backend.table.get(ks[2]).slot, 100] ^= 0x10
+    again = backend.get_many(ks)
+    assert again[2] is None and all(a is not None for i, a in enumerate(again) if i != 2)
+    assert backend.stats()["corrupt"] == 1 and ks[2] not in backend.table
+    backend.check_integrity()

@@ -5,7 +5,8 @@ the CUDA device when there is one and on the CPU otherwise (reported); DRAM is
 pinned when CUDA exists; CXL binds its pages to a CPU-less NUMA node (the way
 Linux exposes a CXL Type-3 expander) and otherwise is a DRAM pool reporting
 `emulated: true`. Reads from DRAM and CXL verify the checksum; HBM, the tier the
-model reads directly, does not.
+model reads directly, does not. A host pool spreads a large batch's copies and
+hashes over the cores (`parallel.BatchWorkers`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 from ..keys import BlockKey
 from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
 from .numa import bind_to_node, cpuless_numa_nodes
+from .parallel import BatchWorkers
 from .slab import SlotTable
 
 
 class MemoryPoolBackend(SlottedBackend):
     def __init__(self, name: str, slots: int, slot_bytes: int, *, device: str = "cpu", pin: bool = False,
-                 verify: bool = True, medium: str = "", emulated: bool = False) -> None:
+                 verify: bool = True, medium: str = "", emulated: bool = False,
+                 workers: int | None = None) -> None:
         if slot_bytes <= 0:
             raise StorageError(f"{name}: slot_bytes must be positive")
         self.name, self.medium, self.emulated = name, medium or f"{device} memory", emulated
@@ -35,52 +38,94 @@ class MemoryPoolBackend(SlottedBackend):
         self._host = self.pool.numpy() if device == "cpu" else None
         self.table = SlotTable(slots)
         self._stats = BackendStats()
+        self._workers = BatchWorkers(workers)
 
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
-        ok = []
-        host, table, verify = self._host, self.table, self.verify
-        for key, data in items:
-            view = data if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 \
-                else np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-            slot = self.table.allocate(key) if view.nbytes <= self.slot_bytes else None
+        views = [_bytes_view(data) for _, data in items]
+        last = {key: i for i, (key, _) in enumerate(items)}  # a key given twice: its last payload is stored
+        slots: list[int | None] = [None] * len(items)
+        for i, (key, _) in enumerate(items):
+            if last[key] == i and views[i].nbytes <= self.slot_bytes:
+                slots[i] = self.table.allocate(key)
+        digests = [0] * len(items)
+
+        def store(i: int) -> None:
+            slot, view = slots[i], views[i]
             if slot is None:
-                self._stats.put_failures += 1
-                ok.append(False)
-                continue
+                return
             if self._host is not None:
                 self._host[slot, : view.nbytes] = view
             else:
                 self.pool[slot, : view.nbytes].copy_(torch.from_numpy(view.copy()), non_blocking=False)
-            self.table.commit(key, slot, view.nbytes, checksum(view) if self.verify else 0)
-            self._stats.puts += 1
-            self._stats.put_bytes += view.nbytes
-            ok.append(True)
+            if self.verify:
+                digests[i] = checksum(view)
+
+        try:
+            self._run(store, len(items), sum(v.nbytes for v in views))
+        except BaseException:  # nothing of this batch was committed: new keys' slots go back to the free list
+            for i, (key, _) in enumerate(items):
+                if slots[i] is not None and key not in self.table:
+                    self.table.abandon(slots[i])
+            raise
+        ok = []
+        for i, (key, _) in enumerate(items):
+            if slots[i] is not None:
+                self.table.commit(key, slots[i], views[i].nbytes, digests[i])
+                self._stats.puts += 1
+                self._stats.put_bytes += views[i].nbytes
+                ok.append(True)
+            elif last[key] != i and slots[last[key]] is not None:
+                ok.append(True)  # superseded by the same key later in this batch
+            else:
+                self._stats.put_failures += 1
+                ok.append(False)
         return ok
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
-        results: list[np.ndarray | None] = []
-        for i, key in enumerate(keys):
-            entry = self.table.get(key)
+        entries = [self.table.get(key) for key in keys]
+        results: list[np.ndarray | None] = [None] * len(keys)
+        intact = [False] * len(keys)
+
+        def load(i: int) -> None:
+            entry = entries[i]
             if entry is None:
-                self._stats.misses += 1
-                results.append(None)
-                continue
+                return
             src = self._host[entry.slot, : entry.length] if self._host is not None else \
                 self.pool[entry.slot, : entry.length].cpu().numpy()
             dst = out[i][: entry.length] if out is not None else np.empty(entry.length, dtype=np.uint8)
             np.copyto(dst, src)
-            if self.verify and checksum(dst) != entry.checksum:
+            results[i] = dst
+            intact[i] = not self.verify or checksum(dst) == entry.checksum
+
+        self._run(load, len(keys), sum(e.length for e in entries if e is not None))
+        for i, (key, entry) in enumerate(zip(keys, entries)):
+            if entry is None:
+                self._stats.misses += 1
+            elif not intact[i]:
                 self._stats.corrupt += 1
                 self.table.release(key)
-                results.append(None)
-                continue
-            self._stats.gets += 1
-            self._stats.get_bytes += entry.length
-            results.append(dst)
+                results[i] = None
+            else:
+                self._stats.gets += 1
+                self._stats.get_bytes += entry.length
         return results
+
+    def _run(self, fn, n: int, nbytes: int) -> None:
+        """Host pools spread a batch's copies and hashes over the cores; device pools copy in order."""
+        if self._host is not None:
+            self._workers.run(fn, n, nbytes)
+        else:
+            for i in range(n):
+                fn(i)
 
     def check_integrity(self) -> None:
         self.table.check_integrity()
+
+
+def _bytes_view(data: Payload) -> np.ndarray:
+    if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+        return data
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
 
 
 def hbm_backend(slots: int, slot_bytes: int) -> MemoryPoolBackend:

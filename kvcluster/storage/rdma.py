@@ -4,8 +4,9 @@ The owner of a pool (`NixlPeerPool`, inside the peer's tier actor) registers its
 slab with a NIXL agent and keeps the slot table. A client (`RDMABackend`) makes
 one control call per batch (reserve / commit / lookup, over whatever channel
 connects them: a Ray actor handle in the cluster, a pipe in tests) and moves the
-bytes with one NIXL transfer per batch, straight between its registered staging
-buffer and the peer's slab. Metadata is exchanged once per peer. With UCX over
+bytes with one NIXL transfer per batch between the peer's slab and either memory
+the caller registered (its own tier pool: no copy at all) or a registered
+staging buffer (one copy). Metadata is exchanged once per peer. With UCX over
 loopback (no RDMA NIC here) the same code runs over TCP/shared memory and says so.
 """
 
@@ -68,12 +69,25 @@ class NixlPeerPool:
     def reserve(self, keys: list[bytes], lengths: list[int]) -> list[int | None]:
         slots = []
         for key, length in zip(keys, lengths):
-            slot = self.table.allocate(BlockKey(key)) if length <= self.slot_bytes else None
+            if length > self.slot_bytes:
+                slots.append(None)
+                continue
+            self.table.release(BlockKey(key))  # an overwrite: the old copy stops being readable now
+            stale = self._pending.pop(key, None)  # an earlier reservation that was never committed
+            if stale is not None:
+                self.table.abandon(stale)
+            slot = self.table.allocate(BlockKey(key))  # a free slot, held only here until commit
             if slot is not None:
-                self.table.release(BlockKey(key))  # not readable until committed
                 self._pending[key] = slot
             slots.append(slot)
         return slots
+
+    def cancel(self, keys: list[bytes]) -> None:
+        """Give back reservations whose bytes never arrived."""
+        for key in keys:
+            slot = self._pending.pop(key, None)
+            if slot is not None:
+                self.table.abandon(slot)
 
     def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None:
         for key, slot, length, digest in zip(keys, slots, lengths, digests):
@@ -120,18 +134,47 @@ class RDMABackend(StorageBackend):
         self.agent.add_remote_agent(meta)
         self._remote_base = self._remote_address(descs)
         self._slots = slots
+        self._regions: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor kept alive) registered here
         self.medium = "peer DRAM pool via NIXL UCX (loopback on this machine, no RDMA NIC)"
         self.emulated = True
         self._stats = BackendStats()
+
+    def register(self, region: torch.Tensor) -> None:
+        """Register host memory the caller lands blocks in or sends them from (e.g. its own tier pool).
+
+        Payloads and `out` buffers inside a registered region move straight between it and the peer's
+        slab, without the staging copy. The caller keeps the region alive while this backend lives.
+        """
+        if region.device.type != "cpu" or not region.is_contiguous():
+            raise StorageError("rdma: only contiguous host tensors can be registered")
+        self.agent.register_memory(region)
+        start = region.data_ptr()
+        self._regions.append((start, start + region.numel() * region.element_size(), region))
+
+    def _count(self, what: str) -> None:
+        self._stats.extra[what] = self._stats.extra.get(what, 0) + 1
+
+    def _registered(self, arrays: Sequence[np.ndarray], lengths: Sequence[int]) -> list[int] | None:
+        """Each array's address when all of them lie (contiguous, long enough) inside registered memory."""
+        if not self._regions:
+            return None
+        addrs = []
+        for a, n in zip(arrays, lengths):
+            if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or a.nbytes < n:
+                return None
+            addr = a.__array_interface__["data"][0]
+            if not any(lo <= addr and addr + n <= hi for lo, hi, _ in self._regions):
+                return None
+            addrs.append(addr)
+        return addrs
 
     def _remote_address(self, descs: bytes) -> int:
         remote = self.agent.deserialize_descs(descs)
         return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
 
     def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int]) -> None:
-        """One NIXL transfer for the whole batch: local (offset, length) <-> remote slots."""
-        base = self.staging.data_ptr()
-        local_descs = self.agent.get_xfer_descs([(base + off, n, 0) for off, n in local], "DRAM")
+        """One NIXL transfer for the whole batch: local (address, length) <-> remote slots."""
+        local_descs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
         remote_descs = self.agent.get_xfer_descs(
             [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
         handle = self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
@@ -159,7 +202,36 @@ class RDMABackend(StorageBackend):
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
         views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for _, d in items]
         keys = [bytes(k) for k, _ in items]
-        ok = [False] * len(items)
+        direct = self._registered(views, [v.nbytes for v in views])
+        if direct is not None:
+            ok = self._put_direct(keys, views, direct)
+        else:
+            ok = self._put_staged(keys, views)
+        self._stats.puts += sum(ok)
+        self._stats.put_failures += len(ok) - sum(ok)
+        self._stats.put_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
+        return ok
+
+    def _put_direct(self, keys: list[bytes], views: list[np.ndarray], addrs: list[int]) -> list[bool]:
+        """Registered payloads: one reserve, one NIXL write straight from them, one commit."""
+        ok = [False] * len(keys)
+        try:
+            slots = self.peer.reserve(keys, [v.nbytes for v in views])
+            picked = [i for i, s in enumerate(slots) if s is not None]
+            if picked:
+                self._transfer("WRITE", [(addrs[i], views[i].nbytes) for i in picked], [slots[i] for i in picked])
+                self._count("direct_writes")
+                self.peer.commit([keys[i] for i in picked], [slots[i] for i in picked],
+                                 [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+        except StorageError:  # peer gone (PeerUnavailable) or the write failed: nothing of this batch is stored
+            return ok
+        for i in picked:
+            ok[i] = True
+        return ok
+
+    def _put_staged(self, keys: list[bytes], views: list[np.ndarray]) -> list[bool]:
+        ok = [False] * len(keys)
+        base = self.staging.data_ptr()
         for lo, hi in self._batches([v.nbytes for v in views]):
             try:
                 slots = self.peer.reserve(keys[lo:hi], [v.nbytes for v in views[lo:hi]])
@@ -169,7 +241,7 @@ class RDMABackend(StorageBackend):
             local, off = [], 0
             for i in picked:
                 self._stage_np[off : off + views[i].nbytes] = views[i]
-                local.append((off, views[i].nbytes))
+                local.append((base + off, views[i].nbytes))
                 off += views[i].nbytes
             if picked:
                 try:
@@ -180,50 +252,80 @@ class RDMABackend(StorageBackend):
                     break
             for i in picked:
                 ok[i] = True
-        self._stats.puts += sum(ok)
-        self._stats.put_failures += len(ok) - sum(ok)
-        self._stats.put_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
         return ok
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+        results: list[np.ndarray | None] = [None] * len(keys)
+        landed = self.read_into(keys, out, results)
+        return [r if d is not None else None for r, d in zip(results, landed)]
+
+    def read_into(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None,
+                  results: list[np.ndarray | None]) -> list[int | None]:
+        """Read blocks into `out` (or new arrays); `results[i]` gets the block, the return its verified checksum.
+
+        When every `out` buffer lies in registered memory the peer's bytes land there directly (one NIXL
+        read, checksums verified in place); otherwise they pass through the staging buffer.
+        None: missing at the peer, unreachable, or corrupt (then dropped at the peer too).
+        """
+        digests: list[int | None] = [None] * len(keys)
         try:
             entries = self.peer.lookup([bytes(k) for k in keys])
         except PeerUnavailable:  # the peer's memory is gone or unreachable: all misses
             self._stats.misses += len(keys)
-            return [None] * len(keys)
-        results: list[np.ndarray | None] = [None] * len(keys)
+            return digests
         found = [i for i, e in enumerate(entries) if e is not None]
         self._stats.misses += len(keys) - len(found)
+        if not found:
+            return digests
         lengths = [entries[i][1] for i in found]
+        direct = None if out is None else self._registered([out[i] for i in found], lengths)
         corrupt = []
-        for lo, hi in self._batches(lengths):
-            part = found[lo:hi]
-            local, off = [], 0
-            for i in part:
-                local.append((off, entries[i][1]))
-                off += entries[i][1]
+        if direct is not None:
             try:
-                self._transfer("READ", local, [entries[i][0] for i in part])
-            except StorageError:  # peer gone between lookup and read: the rest are misses
-                self._stats.misses += len(found) - lo
-                break
-            for i, (start, n) in zip(part, local):
-                data = self._stage_np[start : start + n]
-                if checksum(data) != entries[i][2]:
-                    corrupt.append(bytes(keys[i]))
-                    continue
-                dst = out[i][:n] if out is not None else np.empty(n, dtype=np.uint8)
-                np.copyto(dst, data)
-                results[i] = dst
-                self._stats.gets += 1
-                self._stats.get_bytes += n
+                self._transfer("READ", list(zip(direct, lengths)), [entries[i][0] for i in found])
+            except StorageError:  # peer gone between lookup and read: all misses
+                self._stats.misses += len(found)
+                return digests
+            landed = [(i, out[i][: entries[i][1]]) for i in found]
+            self._count("direct_reads")
+        else:
+            landed = []
+            base = self.staging.data_ptr()
+            for lo, hi in self._batches(lengths):
+                part = found[lo:hi]
+                local, off = [], 0
+                for i in part:
+                    local.append((base + off, entries[i][1]))
+                    off += entries[i][1]
+                try:
+                    self._transfer("READ", local, [entries[i][0] for i in part])
+                except StorageError:  # peer gone between lookup and read: the rest are misses
+                    self._stats.misses += len(found) - lo
+                    break
+                for i, (addr, n) in zip(part, local):
+                    data = self._stage_np[addr - base : addr - base + n]
+                    if checksum(data) != entries[i][2]:
+                        corrupt.append(i)
+                        continue
+                    dst = out[i][:n] if out is not None else np.empty(n, dtype=np.uint8)
+                    np.copyto(dst, data)
+                    results[i] = dst
+                    digests[i] = entries[i][2]
+        for i, data in landed:
+            if checksum(data) != entries[i][2]:
+                corrupt.append(i)
+            else:
+                results[i], digests[i] = data, entries[i][2]
+        good = [i for i in found if digests[i] is not None]
+        self._stats.gets += len(good)
+        self._stats.get_bytes += sum(entries[i][1] for i in good)
         if corrupt:
             self._stats.corrupt += len(corrupt)
             try:
-                self.peer.release(corrupt)
+                self.peer.release([bytes(keys[i]) for i in corrupt])
             except PeerUnavailable:
                 pass  # the peer's memory is gone anyway
-        return results
+        return digests
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         try:
