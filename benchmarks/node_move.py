@@ -59,9 +59,12 @@ class Blob:
         return self.data
 
 
-def best(fn, repeat: int) -> float:
+def best(fn, repeat: int, setup=None) -> float:
+    """Best of `repeat` timed calls; `setup` runs untimed before each."""
     times = []
     for _ in range(repeat):
+        if setup is not None:
+            setup()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -114,7 +117,9 @@ def main() -> int:
         assert all(ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)))  # warm-up of the tier-to-tier NIXL pull
         moved = args.blocks * size
         t_nixl = best(lambda: ray.get(read_on_b.remote(rdma_b, keys)), args.repeat)
-        t_pull = best(lambda: ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)), args.repeat)
+        # B must not hold the blocks already (a pull skips what is there): drop them, untimed, before each pull
+        t_pull = best(lambda: ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)), args.repeat,
+                      setup=lambda: ray.get(dram_b.delete.remote(keys)))
         t_obj = best(lambda: ray.get(mover.pull_objects.remote(dram_a, keys)), args.repeat)
         t_raw = best(lambda: ray.get(mover.pull_raw.remote(blob)), args.repeat)
     finally:

@@ -12,6 +12,8 @@ loopback (no RDMA NIC here) the same code runs over TCP/shared memory and says s
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 import uuid
 from typing import Protocol, Sequence
@@ -33,6 +35,8 @@ def _agent(name: str):
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise StorageError(f"rdma: NIXL is not importable: {exc}") from None
+    if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO to stdout, breaking --json output
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
