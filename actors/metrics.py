@@ -7,6 +7,8 @@ so the request path adds no remote calls. Grafana: `configs/grafana/kvcluster-da
 
 from __future__ import annotations
 
+import os
+import threading
 from functools import lru_cache
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -15,10 +17,70 @@ TTFT_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 TOKEN_BOUNDS = [1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 32768]
 
 
+class KeptGauge:
+    """A Gauge whose last value per tag set is recorded again every export interval.
+
+    Why: Ray's OpenTelemetry recorder (2.50+) forgets at each export every gauge series
+    not recorded during that interval (ray-project/ray#56405: it trusts live processes
+    to report each interval), so a gauge set once, e.g. a posterior mean at predictor
+    start or a tier's bytes while the tier is idle, vanishes from /metrics a few
+    seconds later. One daemon thread per process re-records the kept values.
+    """
+
+    _all: list["KeptGauge"] = []
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+        self._last: dict[tuple, float] = {}
+        with KeptGauge._lock:
+            KeptGauge._all.append(self)
+            if KeptGauge._thread is None:
+                KeptGauge._thread = threading.Thread(target=KeptGauge._keep, name="kvc-gauges", daemon=True)
+                KeptGauge._thread.start()
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.gauge.set(value, tags)
+        with KeptGauge._lock:
+            self._last[tuple(sorted((tags or {}).items()))] = value
+
+    def value(self, tags: dict[str, str]) -> float | None:
+        """The last value set for `tags` (None if never set in this process)."""
+        return self._last.get(tuple(sorted(tags.items())))
+
+    def refresh(self) -> None:
+        with KeptGauge._lock:
+            kept = list(self._last.items())
+        for key, value in kept:
+            self.gauge.set(value, dict(key))
+
+    @staticmethod
+    def _keep() -> None:
+        period = max(0.25, _report_interval_s() / 2)
+        while True:
+            threading.Event().wait(period)
+            for g in list(KeptGauge._all):
+                try:
+                    g.refresh()
+                except Exception:  # noqa: BLE001 - a metrics hiccup must never kill the keeper
+                    pass
+
+
+def _report_interval_s() -> float:
+    """Ray's metrics export interval (RAY_metrics_report_interval_ms, default 10 s)."""
+    try:
+        import ray
+
+        return ray._config.metrics_report_interval_ms() / 1000.0
+    except Exception:  # noqa: BLE001 - private API: fall back to the environment, then Ray's default
+        return float(os.environ.get("RAY_metrics_report_interval_ms", 10_000)) / 1000.0
+
+
 @lru_cache(maxsize=None)
-def tier_bytes() -> Gauge:
-    return Gauge("kvcluster_tier_bytes", "Bytes a tier holds (kind=used) and can hold (kind=capacity).",
-                 tag_keys=("node", "tier", "kind"))
+def tier_bytes() -> KeptGauge:
+    return KeptGauge(Gauge("kvcluster_tier_bytes", "Bytes a tier holds (kind=used) and can hold (kind=capacity).",
+                           tag_keys=("node", "tier", "kind")))
 
 
 @lru_cache(maxsize=None)
@@ -46,16 +108,16 @@ def prefetches() -> Counter:
 
 
 @lru_cache(maxsize=None)
-def posterior_mean() -> Gauge:
-    return Gauge("kvcluster_predictor_posterior_mean", "Mean of the Beta posterior of P(reuse) per pair.",
-                 tag_keys=("block_type", "transition"))
+def posterior_mean() -> KeptGauge:
+    return KeptGauge(Gauge("kvcluster_predictor_posterior_mean", "Mean of the Beta posterior of P(reuse) per pair.",
+                           tag_keys=("block_type", "transition")))
 
 
 @lru_cache(maxsize=None)
-def belady_gap() -> Gauge:
+def belady_gap() -> KeptGauge:
     """Belady's hit rate minus the tier policy's, over the replica's recent requests (kvcluster.belady_gap)."""
-    return Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per tier.",
-                 tag_keys=("node", "tier"))
+    return KeptGauge(Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per tier.",
+                           tag_keys=("node", "tier")))
 
 
 @lru_cache(maxsize=None)

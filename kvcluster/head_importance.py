@@ -1,9 +1,11 @@
 """EMA of how much attention each KV head's cache receives.
 
-The live runner feeds it the attention mass each head put on cached tokens
-(summed over query positions and layers); the simulator, which sees no
-attention, feeds it a fixed profile. Scores are normalised so the most
-important head scores 1.0 and the `bayes` policy evicts low-score shards first.
+Fed the attention mass each head put on cached tokens (summed over query
+positions and layers), or a fixed profile where no attention is seen (the
+simulator). Scores are normalised so the most important head scores 1.0 and the
+`bayes` policy evicts low-score shards first. The live serving path does not
+evict head shards: a block missing one head's KV cannot be completed without
+recomputing the whole block, so exact output needs whole blocks.
 """
 
 from __future__ import annotations
