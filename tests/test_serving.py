@@ -147,7 +147,8 @@ def test_api_keys_and_sliding_window_model(endpoint):
 # actors.metrics.KeptGauge: Ray 2.60 forgets a gauge series not recorded during an interval.
 EXPECTED_METRICS = ["ray_kvcluster_tier_bytes", "ray_kvcluster_tier_lookups", "ray_kvcluster_bytes_moved",
                     "ray_kvcluster_evictions", "ray_kvcluster_ttft_seconds", "ray_kvcluster_cached_tokens",
-                    "ray_kvcluster_requests", "ray_kvcluster_predictor_posterior_mean", "ray_kvcluster_belady_gap"]
+                    "ray_kvcluster_requests", "ray_kvcluster_predictor_posterior_mean", "ray_kvcluster_belady_gap",
+                    "ray_kvcluster_prefetch_total"]
 
 
 def test_metrics_endpoint_shows_the_cache_after_traffic(client):
@@ -158,7 +159,20 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     for prompt in prompts + prompts[:2]:  # distinct prompts overflow the 48-block hbm tier (evictions), so the
         # first ones come back from dram (tier hits); 20+ requests give a gap-to-Belady estimate
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-    details = ['tier="dram"', 'outcome="hit"', 'how="write_through"', 'status="200"']
+    # blocks promoted into the node's dram the way the placement controller does it (prefetch=True), then one
+    # read (a prefetch hit) and one deleted unread (wasted)
+    import numpy as np
+
+    from actors.index_actor import NAMESPACE
+    from kvcluster.keys import KeySpace
+
+    dram = ray.get_actor("kvcluster/n0/dram", namespace=NAMESPACE)
+    promoted = [bytes(k) for k in KeySpace(model="metrics-prefetch").chain_hash_ids(list(range(3)))]
+    assert ray.get(dram.put_many.remote(promoted, [np.zeros(4096, np.uint8)] * 3, None, True)) == [True] * 3
+    ray.get(dram.get_many.remote(promoted[:1]))
+    ray.get(dram.delete.remote(promoted[1:]))
+    details = ['tier="dram"', 'outcome="hit"', 'how="write_through"', 'status="200"', 'outcome="wasted"',
+               'unit="block"']
 
     def scrape_until_complete(timeout_s: float) -> tuple[list, str]:
         """Ray's /metrics can answer with part of the series (ray-project/ray#63131): poll for a whole view."""
