@@ -45,6 +45,11 @@ class KeptGauge:
         with KeptGauge._lock:
             self._last[tuple(sorted((tags or {}).items()))] = value
 
+    @property
+    def info(self) -> dict:
+        """The wrapped gauge's name, description and tag keys."""
+        return self.gauge.info
+
     def value(self, tags: dict[str, str]) -> float | None:
         """The last value set for `tags` (None if never set in this process)."""
         return self._last.get(tuple(sorted(tags.items())))

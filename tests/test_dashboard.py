@@ -21,3 +21,24 @@ def test_every_dashboard_query_uses_a_defined_metric():
                 used.add(re.sub(r"_(total|bucket|sum|count)$", "", name))
     assert used and used <= defined, used - defined
     assert defined - used == set(), f"metrics without a panel: {defined - used}"
+
+
+def test_kept_gauges_record_their_last_values_again():
+    """Ray forgets a gauge series not recorded within an export interval: the keeper re-records each one."""
+    calls = []
+
+    class FakeGauge:
+        info = {"name": "fake"}
+
+        def set(self, value, tags=None):
+            calls.append((value, tags))
+
+    kept = m.KeptGauge(FakeGauge())
+    kept.set(0.25, {"tier": "dram", "node": "n0"})
+    kept.set(0.5, {"node": "n0", "tier": "dram"})  # same series, tags in another order
+    kept.set(1.0, {"tier": "pfs", "node": "n0"})
+    calls.clear()
+    kept.refresh()
+    assert sorted(calls, key=lambda c: c[0]) == [(0.5, {"node": "n0", "tier": "dram"}), (1.0, {"node": "n0", "tier": "pfs"})]
+    assert kept.value({"tier": "dram", "node": "n0"}) == 0.5 and kept.info == {"name": "fake"}
+    assert m.KeptGauge._thread is not None and m.KeptGauge._thread.daemon

@@ -44,6 +44,20 @@ def cluster():
     c.shutdown()
 
 
+def names_free(*names: str, timeout: float = 60.0) -> None:
+    """Wait until the named actors an earlier test held are gone (their handles die asynchronously)."""
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"actor {name} from an earlier test is still alive")
+            time.sleep(0.2)
+
+
 def wait_for(fn, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -60,6 +74,7 @@ def wait_for(fn, timeout: float = 30.0):
 def test_a_block_written_on_a_is_read_from_b_over_nixl_and_pfs_outlives_its_node(cluster) -> None:
     c, node_a, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
+    names_free(INDEX_NAME)
     index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
     pool_a = PeerPoolActor.options(name="kvcluster/a/pool", scheduling_strategy=pinned(node_a.node_id)).remote(
         "a", 8, 1 << 16)
@@ -144,6 +159,7 @@ def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
 
     c, _, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
+    names_free(INDEX_NAME, PREDICTOR_NAME, "kvcluster/h/dram", "kvcluster/b/dram")
     index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
     predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "mig"))
     cfg = dict(slots=8, slot_bytes=1 << 16)
@@ -182,6 +198,7 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
 
     c, _, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
+    names_free(INDEX_NAME, PREDICTOR_NAME, "kvcluster/b/dram")
     index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
     predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "loss"))
     b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
