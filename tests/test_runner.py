@@ -238,3 +238,25 @@ def test_per_layer_rope_model_reuses_prefixes_and_turns_segments_off(tmp_path):
         warm = loaded.model(input_ids=torch.tensor([tokens[80:]]), cache=restored, use_cache=True).logits[0, -1]
         cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
     assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
+
+
+def test_a_restore_gives_sliding_layers_only_the_window_they_still_see():
+    """Mistral-style sliding layers (window 64) attend to their last 63 tokens: a 192-token prefix restores only
+    the blocks covering those, with the true token count, and the next-token logits equal a full prefill."""
+    loaded = load_model("kvcluster-tiny-sliding")
+    runner = cached_runner(loaded)
+    tokens = prompt(193, seed=21)
+    runner.complete(tokens, GREEDY)
+    payloads = runner.store.fetch(runner.block_keys(tokens[:192]))
+    assert len(payloads) == 12
+    with torch.inference_mode():
+        restored = runner.codec.decode(payloads)
+        for layer in restored.layers:
+            assert layer.cumulative_length == 192
+            assert 63 <= layer.keys.shape[-2] <= 63 + 15  # blocks 8..11: the window's tail, not all 12 blocks
+        warm = loaded.model(input_ids=torch.tensor([tokens[192:]]), cache=restored, use_cache=True).logits[0, -1]
+        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
+    hit = runner.complete(tokens + [9] * 40, GREEDY)  # decoding on from a windowed restore, then write-back
+    assert hit.cached_tokens == 192
+    assert hit.output_ids == ModelRunner(loaded).complete(tokens + [9] * 40, GREEDY).output_ids

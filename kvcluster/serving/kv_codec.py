@@ -6,8 +6,10 @@ block_tokens, kv_lora_rank + rope]` (transformers >= 5.15 caches the normalized
 latent in the keys slot and the roped k_pe in the values slot; both go in, and
 nothing decompressed does). Bytes move as the tensors' raw bits, so bf16 needs no
 numpy dtype. Sliding-window layers record every token of the request
-(`activate_past_recording`) so each block leaves with all its layers, and a
-restored cache carries the true token count (`cumulative_length`).
+(`activate_past_recording`) so each block leaves with all its layers (any block
+may end a later prompt's prefix, where its sliding KV is needed). A restore is
+window-aware: a sliding layer gets only the blocks its window still sees, and
+carries the true token count (`cumulative_length`).
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ class KVCodec:
         tensors. The runner always prefills at least one token right away.
         """
         cache = self.new_cache()
-        for layer, k, v in self._layer_states(payloads, reuse_buffer):
-            self._set(cache.layers[layer], k, v)
+        for layer, k, v, *total in self._layer_states(payloads, reuse_buffer, window_aware=True):
+            self._set(cache.layers[layer], k, v, *total)
         return cache
 
     def append(self, cache, payloads: Sequence[np.ndarray]) -> None:
@@ -105,11 +107,34 @@ class KVCodec:
         for layer, k, v in self._layer_states(payloads, reuse=False):
             cache.layers[layer].update(k.contiguous(), v.contiguous())
 
-    def _layer_states(self, payloads: Sequence[np.ndarray], reuse: bool):
-        """(layer index, keys, values) of the blocks, per layer as the cache holds them."""
+    def _window_starts(self, n: int) -> list[int]:
+        """Per layer (layout order): the first of `n` restored blocks it needs.
+
+        A sliding layer attends to its last `window - 1` cached tokens only (transformers'
+        `DynamicSlidingWindowLayer.get_mask_sizes`), so older blocks are not copied for it;
+        the layer still learns the true token count. Global layers need every block.
+        """
+        B = self.layout.block_tokens
+        kinds = self._layer_kinds or []
+        starts = []
+        for i in self.layout.layers:
+            window = kinds[i][1] if i < len(kinds) else None
+            starts.append(max(0, (n * B - (window - 1)) // B) if window else 0)
+        return starts
+
+    def _layer_states(self, payloads: Sequence[np.ndarray], reuse: bool, window_aware: bool = False):
+        """(layer index, keys, values) of the blocks, per layer as the cache holds them.
+
+        `window_aware`: sliding layers get only the blocks their window still sees
+        (a restore into a fresh cache; an append must add every token it counts).
+        """
         if not payloads:
             return
         lay, n, B = self.layout, len(payloads), self.layout.block_tokens
+        starts = self._window_starts(n) if window_aware and lay.kind != "latent" else None
+        if starts is not None and any(starts):
+            yield from self._windowed_states(payloads, reuse, starts)
+            return
         if lay.kind == "latent":
             whole = self._buffer((len(lay.layers), n, B, lay.head_dim), reuse)  # [L, n, B, W]
             for j, p in enumerate(payloads):
@@ -124,6 +149,22 @@ class KVCodec:
             whole = whole.to(self.device).view(len(lay.layers), 2, 1, lay.kv_heads, n * B, lay.head_dim)
             for pos, i in enumerate(lay.layers):
                 yield i, whole[pos, 0], whole[pos, 1]
+
+    def _windowed_states(self, payloads: Sequence[np.ndarray], reuse: bool, starts: list[int]):
+        """Like `_layer_states`, copying each block only into the layers that still need it."""
+        lay, n, B = self.layout, len(payloads), self.layout.block_tokens
+        whole = self._buffer((len(lay.layers), 2, lay.kv_heads, n, B, lay.head_dim), reuse)
+        for j, p in enumerate(payloads):
+            wanted = [pos for pos, first in enumerate(starts) if first <= j]
+            if len(wanted) == len(starts):
+                whole[:, :, :, j] = self._typed(p)
+            elif wanted:
+                idx = torch.tensor(wanted)
+                whole[idx, :, :, j] = self._typed(p).index_select(0, idx)
+        whole = whole.to(self.device).view(len(lay.layers), 2, 1, lay.kv_heads, n * B, lay.head_dim)
+        for pos, i in enumerate(lay.layers):
+            first = starts[pos] * B
+            yield i, whole[pos, 0][..., first:, :], whole[pos, 1][..., first:, :], n * B
 
     def landing(self, blocks: int) -> np.ndarray:
         """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch)."""
@@ -147,8 +188,11 @@ class KVCodec:
         return raw.view(self.dtype).view(self.block_shape)
 
     @staticmethod
-    def _set(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Install restored states as a layer that has seen `T` tokens (sliding layers: their true count)."""
+    def _set(layer, keys: torch.Tensor, values: torch.Tensor, total: int | None = None) -> None:
+        """Install restored states as a layer that has seen `total` tokens (default: the states' length).
+
+        Sliding layers carry their true count (`cumulative_length`) even when they hold only the
+        window's tail: transformers derives their attention mask from it."""
         if not keys.is_contiguous():
             keys = keys.contiguous()
         if not values.is_contiguous():
@@ -156,7 +200,7 @@ class KVCodec:
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
         if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = keys.shape[-2]
+            layer.cumulative_length = keys.shape[-2] if total is None else total
 
     def rerotate(self, payloads: Sequence[np.ndarray], delta: int, geom: RopeGeometry) -> list[np.ndarray]:
         """The same blocks moved `delta` positions: their RoPE keys rotated, everything else as stored.
