@@ -60,7 +60,7 @@ def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
     """Start (or find) the index, predictor, every tier actor and the placement loop; idempotent."""
     alive = [n for n in ray.nodes() if n["Alive"]]
     pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
-    start_global_actors(cfg.checkpoint_dir)
+    start_global_actors(cfg.checkpoint_dir, predictor_config=cfg.predictor.model_dump())
     slot_bytes = cfg.block_bytes()
     started, tiers, handles = [], [], []
     for node in cfg.nodes:

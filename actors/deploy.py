@@ -10,11 +10,14 @@ from .predictor_actor import PREDICTOR_NAME, PredictorActor
 from .tier_actor import TierActor, TierActorConfig, actor_name
 
 
-def start_global_actors(checkpoint_dir: str, namespace: str = NAMESPACE):
-    """The index and the predictor: one each, detached, found again by name after a restart."""
+def start_global_actors(checkpoint_dir: str, namespace: str = NAMESPACE, predictor_config: dict | None = None):
+    """The index and the predictor: one each, detached, found again by name after a restart.
+
+    `predictor_config` (a `PredictorConfig` dump) sets the priors of a predictor started here; one already
+    running keeps its own."""
     index = IndexActor.options(name=INDEX_NAME, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
     predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=namespace, lifetime="detached",
-                                       get_if_exists=True).remote(checkpoint_dir)
+                                       get_if_exists=True).remote(checkpoint_dir, predictor_config)
     return index, predictor
 
 

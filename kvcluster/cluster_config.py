@@ -17,6 +17,7 @@ from .errors import ConfigError
 from .model_spec import load_model_spec
 from .paths import configs_dir
 from .placement import PlacementConfig
+from .predictor import PredictorConfig
 from .storage.layout import layout_for
 
 
@@ -45,6 +46,8 @@ class ClusterConfig(BaseModel):
     checkpoint_dir: str = Field(description="Where the predictor checkpoints (on the shared filesystem).")
     nodes: list[NodeEntry] = Field(min_length=1)
     placement: PlacementConfig = PlacementConfig()
+    predictor: PredictorConfig = Field(PredictorConfig(), description="Priors and horizon of the cluster's "
+                                       "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
 
     def block_bytes(self) -> int:
         return layout_for(load_model_spec(self.model), self.block_tokens, self.dtype).nbytes()

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .block_types import NUM_PAIRS, BlockType, TransitionType, pair_index
 
@@ -31,8 +31,22 @@ class PredictorConfig(BaseModel):
     )
     pair_priors: dict[str, tuple[float, float]] = Field(
         default_factory=dict,
-        description="Per-pair (alpha, beta) overrides keyed 'system/append' etc.",
+        description="Per-pair (alpha, beta) overrides keyed '<block type>/<transition>': block types system, "
+        "history, tool, output; transitions first, append, fork, agent_step (e.g. 'system/append').",
     )
+
+    @field_validator("pair_priors")
+    @classmethod
+    def _known_pairs(cls, priors: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """A misspelt pair would silently keep the default prior: name the valid ones instead."""
+        valid = {f"{b.name.lower()}/{t.name.lower()}" for b in BlockType for t in TransitionType}
+        for key, (alpha, beta) in priors.items():
+            if key not in valid:
+                raise ValueError(f"unknown pair {key!r}; pairs are <block type>/<transition>, e.g. "
+                                 f"{', '.join(sorted(valid)[:3])}, ...")
+            if alpha <= 0 or beta <= 0:
+                raise ValueError(f"pair {key!r}: alpha and beta must be positive, got ({alpha}, {beta})")
+        return priors
 
     def prior(self, index: int) -> tuple[float, float]:
         block_type, transition = divmod(index, len(TransitionType))

@@ -14,6 +14,7 @@ ray = pytest.importorskip("ray")
 from actors.cluster import down, up  # noqa: E402
 from actors.index_actor import INDEX_NAME, NAMESPACE  # noqa: E402
 from actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
+from kvcluster.block_types import BlockType, TransitionType, pair_index  # noqa: E402
 from kvcluster.cluster_config import load_cluster_config  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
 from kvcluster.serving.models import load_model  # noqa: E402
@@ -45,6 +46,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
     shared = tempfile.mkdtemp(prefix="kvd", dir="/tmp")
     cfg_path = tmp_path / "cluster.yaml"
     cfg_path.write_text(f"model: kvcluster-tiny-llama\nblock_tokens: 16\ncheckpoint_dir: {shared}/pfs/predictor\n"
+                        f"predictor: {{prior_alpha: 3.0, pair_priors: {{tool/fork: [1.0, 7.0]}}}}\n"
                         f"nodes:\n  - name: n0\n    tiers: [{{tier: pfs, capacity_gib: 0.1, path: {shared}/pfs}}]\n")
     cfg = load_cluster_config(str(cfg_path))
     loaded = load_model("kvcluster-tiny-llama")
@@ -69,6 +71,9 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
             time.sleep(0.2)  # the write-through is fire-and-forget
         before = ray.get(predictor.snapshot.remote())
         assert before.version > 0
+        tool_fork = pair_index(BlockType.TOOL, TransitionType.FORK)
+        assert (before.alpha[tool_fork], before.beta[tool_fork]) == (1.0, 7.0)  # the YAML's priors, untouched pair
+        assert before.alpha[pair_index(BlockType.OUTPUT, TransitionType.FORK)] == 3.0
         down(cfg)  # checkpoints the predictor, kills every actor
     finally:
         ray.shutdown()  # the whole cluster is gone: only files remain

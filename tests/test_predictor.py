@@ -68,3 +68,18 @@ def test_counts_grow_by_one_outcome_per_watch(events) -> None:
     assert sum(p.alpha) - 16 == successes
     assert sum(p.alpha) - 16 + sum(p.beta) - 16 == len(events)  # every observation ends in one outcome
     assert all(0 < p.p_reuse_pair(i) < 1 for i in range(16))
+
+
+def test_misspelt_or_bad_pair_priors_are_refused_by_name(tmp_path) -> None:
+    from kvcluster.cluster_config import load_cluster_config
+    from kvcluster.errors import ConfigError
+
+    with pytest.raises(ValueError, match="unknown pair 'sytem/append'"):
+        PredictorConfig(pair_priors={"sytem/append": (9, 1)})
+    with pytest.raises(ValueError, match="must be positive"):
+        PredictorConfig(pair_priors={"system/append": (0, 1)})
+    path = tmp_path / "cluster.yaml"
+    path.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\npredictor: {horizon_s: -1}\n"
+                    "nodes: [{name: n0, tiers: [{tier: dram, capacity_gib: 0.01}]}]\n")
+    with pytest.raises(ConfigError, match="predictor.horizon_s"):
+        load_cluster_config(str(path))
