@@ -31,6 +31,8 @@ class ServeAppConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
                                                     "busy small machines).")
     replica_cpus: float = Field(1.0, ge=0)
+    max_replicas_per_node: int | None = Field(None, ge=1, description="Spread replicas over the Ray nodes: at "
+                                              "most this many per node (1: one replica next to each node's tiers).")
     max_ongoing_requests: int = Field(8, ge=1, description="Requests a replica interleaves; more wait in Serve.")
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")

@@ -101,6 +101,17 @@ async def _gather(first: dict, events) -> tuple[dict, str, dict]:
             return start, "".join(parts), end
 
 
+NODE_HEADER = "x-kvcluster-node"  # the cluster node whose replica answered (operators: is routing sticky?)
+
+
+def _node_headers(start: dict) -> dict[str, str]:
+    return {NODE_HEADER: start["node"]} if start.get("node") else {}
+
+
+def _answered(start: dict, body: dict) -> JSONResponse:
+    return JSONResponse(body, headers=_node_headers(start))
+
+
 def _sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
@@ -159,9 +170,9 @@ class OpenAIIngress:
             return await self._stream(job, rid, chat=False, include_usage=bool(body.stream_options and
                                                                                 body.stream_options.include_usage))
         start, text, end = await self._collect(job)
-        return completion_body(rid, self.cfg.name, text, end["finish_reason"],
-                               usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"],
-                               start.get("segment_tokens", 0)))
+        return _answered(start, completion_body(rid, self.cfg.name, text, end["finish_reason"],
+                                                usage(start["prompt_tokens"], end["completion_tokens"],
+                                                      start["cached_tokens"], start.get("segment_tokens", 0))))
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -179,9 +190,9 @@ class OpenAIIngress:
             return await self._stream(job, rid, chat=True, include_usage=bool(body.stream_options and
                                                                                body.stream_options.include_usage))
         start, text, end = await self._collect(job)
-        return chat_body(rid, self.cfg.name, text, end["finish_reason"],
-                         usage(start["prompt_tokens"], end["completion_tokens"], start["cached_tokens"],
-                               start.get("segment_tokens", 0)))
+        return _answered(start, chat_body(rid, self.cfg.name, text, end["finish_reason"],
+                                          usage(start["prompt_tokens"], end["completion_tokens"],
+                                                start["cached_tokens"], start.get("segment_tokens", 0))))
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -334,4 +345,5 @@ class OpenAIIngress:
                 release()
             yield _sse("[DONE]")
 
-        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release))
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release),
+                                 headers=_node_headers(first))

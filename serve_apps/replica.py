@@ -153,10 +153,12 @@ def replica_deployment(cfg: ServeAppConfig):
 
     from .router import PrefixAffinityRouter
 
+    spread = {} if cfg.max_replicas_per_node is None else {"max_replicas_per_node": cfg.max_replicas_per_node}
     return serve.deployment(
         KVReplica,
         name="KVReplica",
         ray_actor_options={"num_cpus": cfg.replica_cpus},
+        **spread,
         max_ongoing_requests=cfg.max_ongoing_requests,
         autoscaling_config=cfg.autoscaling.model_dump(),
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
