@@ -95,12 +95,17 @@ class TierActor:
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
         corrupt_before = self.backend.stats().get("corrupt", 0)
         got = self.backend.get_many(keys)
-        bad = [k for k, g in zip(keys, got) if g is None]
+        corrupt = self.backend.stats().get("corrupt", 0) - corrupt_before
+        self._account_reads(keys, [g is not None for g in got], corrupt)
+        return got
+
+    def _account_reads(self, keys: list[bytes], found: list[bool], corrupt: int) -> None:
+        """After a read (here, or by a NIXL reader that looked the keys up): index, prefetch and lookup metrics."""
+        bad = [k for k, f in zip(keys, found) if not f]
         if bad:  # missing or corrupt here: make sure nobody is sent here for it again
             self.index.removed.remote(self.cfg.node, self.cfg.tier, bad)
-        corrupt = self.backend.stats().get("corrupt", 0) - corrupt_before
         if self._prefetched:
-            used = [k for k, g in zip(keys, got) if g is not None and k in self._prefetched]
+            used = [k for k, f in zip(keys, found) if f and k in self._prefetched]
             if used:
                 self._prefetched.difference_update(used)
                 metrics.prefetches().inc(len(used), {"outcome": "hit"})
@@ -113,7 +118,6 @@ class TierActor:
             metrics.tier_lookups().inc(corrupt, {**tags, "outcome": "corrupt"})
             metrics.faults().inc(corrupt, {"component": self._where, "kind": "corrupt"})
             self._report_bytes()
-        return got
 
     def delete(self, keys: list[bytes]) -> int:
         if self._prefetched:
@@ -154,7 +158,10 @@ class TierActor:
         return self._export().connect(client_metadata)
 
     def lookup(self, keys: list[bytes]):
-        return self._export().lookup(keys)
+        """Where a NIXL reader finds `keys` in this slab; counted as this tier's reads (it reads them next)."""
+        entries = self._export().lookup(keys)
+        self._account_reads(keys, [e is not None for e in entries], 0)
+        return entries
 
     def reserve(self, keys: list[bytes], lengths: list[int]):
         return self._export().reserve(keys, lengths)

@@ -1,8 +1,10 @@
 """A replica's view of the tiers: its own hbm in-process, then every node's tier actors.
 
 `fetch` reads the hbm run first (no remote call), asks the index once where the
-rest of the prefix lives, then reads it with one `get_many` per (node, tier),
-all in flight together; this node's tiers are preferred over remote ones. A
+rest of the prefix lives, then reads it per (node, tier): memory tiers over NIXL
+(one lookup call, then one transfer from the tier's slab into the caller's
+buffers, checksums verified here), other tiers with one `get_many` each, all in
+flight together; this node's tiers are preferred over remote ones. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
 promoted into hbm. `store` keeps new blocks in hbm and writes them through to
 this node's first host tier with one fire-and-forget call, and tells the reuse
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import defaultdict
 from typing import Sequence
 
@@ -21,25 +24,38 @@ import ray
 
 from actors import metrics
 from actors.index_actor import INDEX_NAME, NAMESPACE
+from actors.peer_pool_actor import ActorPeerControl
 from actors.predictor_actor import PREDICTOR_NAME
 from actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
 from kvcluster.keys import BlockKey
 from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.storage import RDMABackend, StorageError
 from kvcluster.tiers import TIER_ORDER
 
 log = logging.getLogger(__name__)
 WRITE_TIERS = ("dram", "cxl", "nvme", "pfs")  # write-through goes to the first of these the node has
 
 
+NIXL_TIERS = ("dram", "cxl")  # memory tiers whose slab a replica reads over NIXL
+NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through the object store this long
+
+
 class ClusterBlockStore:
-    def __init__(self, hbm: LocalBlockStore, node: str | None, node_tiers: Sequence[str], timeout_s: float = 10.0):
+    def __init__(self, hbm: LocalBlockStore, node: str | None, node_tiers: Sequence[str], timeout_s: float = 10.0,
+                 nixl_staging_bytes: int | None = 32 << 20):
+        """`nixl_staging_bytes`: memory tiers are read over NIXL through a staging buffer of this size (one
+        lookup call, then the bytes straight from the tier's slab); None reads them with `get_many` through
+        the Ray object store."""
         self.hbm = hbm
         self.node = node
         self.timeout_s = timeout_s
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
         self.predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
         self._actors: dict[tuple[str, str], object] = {}
+        self._nixl_staging = nixl_staging_bytes
+        self._readers: dict[tuple[str, str], RDMABackend] = {}
+        self._no_nixl_until: dict[tuple[str, str], float] = {}
         self.write_tier = next((t for t in WRITE_TIERS if t in node_tiers), None) if node else None
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
@@ -68,13 +84,21 @@ class ClusterBlockStore:
             groups[self._choose(match.locations[j])].append(j)
         got: dict[int, np.ndarray | None] = {}
         refs = {}
+        readers = {loc: self._reader(*loc) for loc in groups}
         for (node, tier), positions in groups.items():
+            if readers[(node, tier)] is not None:
+                continue
             try:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
             except ValueError:  # no such actor (node gone): misses
                 self._actors.pop((node, tier), None)
                 self.counters["remote_failures"] += 1
                 metrics.faults().inc(1, {"component": f"{node}/{tier}", "kind": "actor_unavailable"})
+        for loc, reader in readers.items():  # while those are in flight: memory tiers over NIXL, into `out`
+            if reader is not None:
+                positions = groups[loc]
+                landing = None if out is None else [out[len(local) + j] for j in positions]
+                got.update(zip(positions, self._read_nixl(reader, loc, [rest[j] for j in positions], landing)))
         for loc, ref in refs.items():
             try:
                 for j, payload in zip(groups[loc], ray.get(ref, timeout=self.timeout_s)):
@@ -99,6 +123,44 @@ class ClusterBlockStore:
             for src, nbytes in by_source.items():
                 metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
         return local + run
+
+    def _reader(self, node: str, tier: str) -> RDMABackend | None:
+        """A NIXL reader of that memory tier's slab (metadata exchanged once), or None: use the object store."""
+        loc = (node, tier)
+        if self._nixl_staging is None or tier not in NIXL_TIERS:
+            return None
+        if loc in self._readers:
+            return self._readers[loc]
+        if time.monotonic() < self._no_nixl_until.get(loc, 0.0):
+            return None
+        try:
+            control = ActorPeerControl(self._actor(node, tier), timeout_s=self.timeout_s)
+            self._readers[loc] = RDMABackend(control, self._nixl_staging, 1,
+                                             name=f"kvc-replica-{self.node}-{node}-{tier}-{uuid.uuid4().hex[:6]}")
+        except (StorageError, ValueError) as exc:  # NIXL missing, or the actor is gone: the object store path
+            log.warning("NIXL reader for %s/%s unavailable (%s): reading through the object store", node, tier, exc)
+            self._no_nixl_until[loc] = time.monotonic() + NIXL_RETRY_S
+            return None
+        return self._readers[loc]
+
+    def _read_nixl(self, reader: RDMABackend, loc: tuple[str, str], keys: list[BlockKey],
+                   landing: list[np.ndarray] | None) -> list[np.ndarray | None]:
+        corrupt_before = reader.stats()["corrupt"]
+        results: list[np.ndarray | None] = [None] * len(keys)
+        try:
+            digests = reader.read_into(keys, landing, results, raise_unavailable=True)
+        except StorageError as exc:  # the tier's actor is gone or the transfer failed: misses, a new reader later
+            log.warning("NIXL read from %s/%s failed: %s", *loc, exc)
+            self._readers.pop(loc, None)
+            self._actors.pop(loc, None)
+            self.counters["remote_failures"] += 1
+            metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
+            return [None] * len(keys)
+        corrupt = reader.stats()["corrupt"] - corrupt_before
+        if corrupt:  # dropped at the tier by the reader; a miss here, recomputed
+            metrics.faults().inc(corrupt, {"component": f"{loc[0]}/{loc[1]}", "kind": "corrupt"})
+        self.counters["nixl_blocks"] += sum(d is not None for d in digests)
+        return [r if d is not None else None for r, d in zip(results, digests)]
 
     def _count_hbm(self, asked: int, hits: int) -> None:
         tags = {"node": self.node or "local", "tier": "hbm"}

@@ -31,6 +31,8 @@ class ServeAppConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
                                                     "busy small machines).")
     replica_cpus: float = Field(1.0, ge=0)
+    nixl_fetch: bool = Field(True, description="Read dram/cxl tier blocks over NIXL (one lookup call, then the "
+                             "bytes from the tier's slab) instead of through the Ray object store.")
     max_replicas_per_node: int | None = Field(None, ge=1, description="Spread replicas over the Ray nodes: at "
                                               "most this many per node (1: one replica next to each node's tiers).")
     max_ongoing_requests: int = Field(8, ge=1, description="Requests a replica interleaves; more wait in Serve.")

@@ -64,7 +64,8 @@ class KVReplica:
             here = ray.get_runtime_context().get_node_id()
             self.node = next((name for name, nid in node_ids(cluster).items() if nid == here), None)
             tiers = [t.tier for n in cluster.nodes if n.name == self.node for t in n.tiers]
-            runner.store = ClusterBlockStore(hbm, self.node, tiers)
+            staging = max(32 << 20, 8 * block) if self.cfg.nixl_fetch else None
+            runner.store = ClusterBlockStore(hbm, self.node, tiers, nixl_staging_bytes=staging)
         else:
             runner.store = hbm
         self.runner = runner

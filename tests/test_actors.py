@@ -125,3 +125,39 @@ def test_prefetched_blocks_are_counted_as_hit_or_wasted(cluster_actors) -> None:
     ray.get(dram.delete.remote(keys[1:2]))
     assert ray.get(dram.stats.remote())["prefetched_unread"] == 1
     ray.get(dram.delete.remote(keys))
+
+
+def test_a_replica_reads_dram_over_nixl_and_a_restarted_tier_is_a_miss_then_refills(cluster_actors) -> None:
+    """The replica's store reads the node's dram slab over NIXL (one lookup, one transfer, checksums here); when
+    the tier actor restarts, its old NIXL agent is gone: that fetch is a miss, never an error or wrong bytes."""
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+    from serve_apps.cluster_store import ClusterBlockStore
+
+    index, _, dram, _ = cluster_actors
+    block_keys = KeySpace(model="nixl-replica").chain_hash_ids(list(range(4)))
+    keys = [bytes(k) for k in block_keys]
+    data = [np.random.default_rng(40 + i).integers(0, 255, 4096, dtype=np.uint8) for i in range(4)]
+    readers: dict = {}  # one NIXL reader per tier across fetches, as in a replica
+
+    def fetch() -> tuple[list, ClusterBlockStore]:
+        store = ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 4096)], 4096)), "n0", ["dram"],
+                                  nixl_staging_bytes=1 << 16)
+        store._readers = readers
+        return store.fetch(block_keys), store
+
+    assert all(ray.get(dram.put_many.remote(keys, data)))
+    wait_for(lambda: ray.get(index.longest_prefix.remote(keys)).length == 4)
+    got, store = fetch()
+    assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
+    assert store.counters["nixl_blocks"] == 4 and ("n0", "dram") in readers
+    ray.kill(dram, no_restart=False)
+    wait_for(lambda: _try(lambda: ray.get(dram.describe.remote(), timeout=5)))
+    assert all(ray.get(dram.put_many.remote(keys, data)))  # the restarted tier holds them again, in a new slab
+    wait_for(lambda: ray.get(index.longest_prefix.remote(keys)).length == 4)
+    got, store = fetch()  # the reader still knows the dead process's NIXL agent
+    assert got == [] and store.counters["remote_failures"] == 1 and ("n0", "dram") not in readers
+    got, store = fetch()  # a new reader connects to the new slab
+    assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
+    ray.get(dram.delete.remote(keys))

@@ -135,6 +135,9 @@ class RDMABackend(StorageBackend):
         self.agent.register_memory(self.staging)
         self._stage_np = self.staging.numpy()
         meta, descs, self.slot_bytes, self.peer_name = peer.connect(self.agent.get_agent_metadata())
+        if staging_bytes < self.slot_bytes:
+            raise StorageError(f"rdma: a {staging_bytes}-byte staging buffer cannot hold one "
+                               f"{self.slot_bytes}-byte block of {self.peer_name}")
         self.agent.add_remote_agent(meta)
         self._remote_base = self._remote_address(descs)
         self._slots = slots
@@ -177,11 +180,17 @@ class RDMABackend(StorageBackend):
         return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
 
     def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int]) -> None:
-        """One NIXL transfer for the whole batch: local (address, length) <-> remote slots."""
-        local_descs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
-        remote_descs = self.agent.get_xfer_descs(
-            [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
-        handle = self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
+        """One NIXL transfer for the whole batch: local (address, length) <-> remote slots.
+
+        Any NIXL failure (the peer process restarted or left: NIXL_ERR_REMOTE_DISCONNECT, a bad
+        descriptor, a transfer in ERR, no answer in 30 s) is a StorageError: the caller's misses."""
+        try:
+            local_descs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
+            remote_descs = self.agent.get_xfer_descs(
+                [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
+            handle = self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
+        except Exception as exc:  # noqa: BLE001 - NIXL's errors share no base class we could name
+            raise StorageError(f"rdma: NIXL {op} could not start: {type(exc).__name__}: {exc}") from None
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + 30
@@ -189,8 +198,15 @@ class RDMABackend(StorageBackend):
                 if state == "ERR" or time.monotonic() > deadline:
                     raise StorageError(f"rdma: NIXL {op} failed ({state})")
                 state = self.agent.check_xfer_state(handle)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"rdma: NIXL {op} failed: {type(exc).__name__}: {exc}") from None
         finally:
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - a handle of a vanished peer may not release cleanly
+                pass
 
     def _batches(self, lengths: Sequence[int]):
         """Split a batch so each part fits in the staging buffer."""
@@ -264,18 +280,22 @@ class RDMABackend(StorageBackend):
         return [r if d is not None else None for r, d in zip(results, landed)]
 
     def read_into(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None,
-                  results: list[np.ndarray | None]) -> list[int | None]:
+                  results: list[np.ndarray | None], raise_unavailable: bool = False) -> list[int | None]:
         """Read blocks into `out` (or new arrays); `results[i]` gets the block, the return its verified checksum.
 
         When every `out` buffer lies in registered memory the peer's bytes land there directly (one NIXL
         read, checksums verified in place); otherwise they pass through the staging buffer.
         None: missing at the peer, unreachable, or corrupt (then dropped at the peer too).
+        `raise_unavailable`: an unreachable peer or a failed transfer raises (PeerUnavailable /
+        StorageError) instead of reading as all misses, for callers that tell a fault from a miss.
         """
         digests: list[int | None] = [None] * len(keys)
         try:
             entries = self.peer.lookup([bytes(k) for k in keys])
         except PeerUnavailable:  # the peer's memory is gone or unreachable: all misses
             self._stats.misses += len(keys)
+            if raise_unavailable:
+                raise
             return digests
         found = [i for i, e in enumerate(entries) if e is not None]
         self._stats.misses += len(keys) - len(found)
@@ -289,6 +309,8 @@ class RDMABackend(StorageBackend):
                 self._transfer("READ", list(zip(direct, lengths)), [entries[i][0] for i in found])
             except StorageError:  # peer gone between lookup and read: all misses
                 self._stats.misses += len(found)
+                if raise_unavailable:
+                    raise
                 return digests
             landed = [(i, out[i][: entries[i][1]]) for i in found]
             self._count("direct_reads")
@@ -305,6 +327,8 @@ class RDMABackend(StorageBackend):
                     self._transfer("READ", local, [entries[i][0] for i in part])
                 except StorageError:  # peer gone between lookup and read: the rest are misses
                     self._stats.misses += len(found) - lo
+                    if raise_unavailable:
+                        raise
                     break
                 for i, (addr, n) in zip(part, local):
                     data = self._stage_np[addr - base : addr - base + n]
