@@ -8,7 +8,6 @@ routing would keep all 16 follow-ups on their first node with probability 2^-16.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import httpx
@@ -18,16 +17,10 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from serving_support import DOC, MODEL  # noqa: E402
+from serving_support import DOC, MODEL, _free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODE_HEADER = "x-kvcluster-node"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,18 @@ def cached_runner(loaded, hbm_blocks: int = 64, dram_blocks: int = 256) -> Model
     return ModelRunner(loaded, LocalBlockStore(tiers))
 
 
+def restored_and_cold_logits(loaded, runner: ModelRunner, tokens: list[int], blocks: int):
+    """(the restored cache, next-token logits after restoring `blocks` cached blocks, logits of a full prefill)."""
+    payloads = runner.store.fetch(runner.block_keys(tokens[: blocks * 16]))
+    assert len(payloads) == blocks
+    with torch.inference_mode():
+        restored = runner.codec.decode(payloads)
+        rest = torch.tensor([tokens[blocks * 16:]])
+        warm = loaded.model(input_ids=rest, cache=restored, use_cache=True).logits[0, -1]
+        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    return restored, warm, cold
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.RandomState(seed).randint(3, 32000, n)]
 
@@ -65,12 +77,7 @@ def test_cached_logits_match(loaded):
     runner = cached_runner(loaded)
     tokens = prompt(97, seed=3)
     runner.complete(tokens, GREEDY)
-    payloads = runner.store.fetch(runner.block_keys(tokens[:96]))
-    assert len(payloads) == 6
-    with torch.inference_mode():
-        restored = runner.codec.decode(payloads)
-        warm = loaded.model(input_ids=torch.tensor([tokens[96:]]), cache=restored, use_cache=True).logits[0, -1]
-        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    _, warm, cold = restored_and_cold_logits(loaded, runner, tokens, 6)
     tol = 2e-2 if loaded.dtype == "bf16" else 1e-4
     assert torch.allclose(warm.float(), cold.float(), atol=tol), float((warm - cold).abs().max())
 
@@ -231,12 +238,7 @@ def test_per_layer_rope_model_reuses_prefixes_and_turns_segments_off(tmp_path):
     first = runner.start(tokens, GREEDY, segments=[(33, 81)])
     assert first.segment_tokens == 0 and first.segments == []
     runner.finish(first)
-    payloads = runner.store.fetch(runner.block_keys(tokens[:80]))
-    assert len(payloads) == 5
-    with torch.inference_mode():
-        restored = runner.codec.decode(payloads)
-        warm = loaded.model(input_ids=torch.tensor([tokens[80:]]), cache=restored, use_cache=True).logits[0, -1]
-        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    _, warm, cold = restored_and_cold_logits(loaded, runner, tokens, 5)
     assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
 
 
@@ -247,15 +249,11 @@ def test_a_restore_gives_sliding_layers_only_the_window_they_still_see():
     runner = cached_runner(loaded)
     tokens = prompt(193, seed=21)
     runner.complete(tokens, GREEDY)
-    payloads = runner.store.fetch(runner.block_keys(tokens[:192]))
-    assert len(payloads) == 12
-    with torch.inference_mode():
-        restored = runner.codec.decode(payloads)
-        for layer in restored.layers:
+    with torch.inference_mode():  # the restored layers as decode left them, before a forward extends them
+        for layer in runner.codec.decode(runner.store.fetch(runner.block_keys(tokens[:192]))).layers:
             assert layer.cumulative_length == 192
             assert 63 <= layer.keys.shape[-2] <= 63 + 15  # blocks 8..11: the window's tail, not all 12 blocks
-        warm = loaded.model(input_ids=torch.tensor([tokens[192:]]), cache=restored, use_cache=True).logits[0, -1]
-        cold = loaded.model(input_ids=torch.tensor([tokens]), use_cache=True).logits[0, -1]
+    _, warm, cold = restored_and_cold_logits(loaded, runner, tokens, 12)
     assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
     hit = runner.complete(tokens + [9] * 40, GREEDY)  # decoding on from a windowed restore, then write-back
     assert hit.cached_tokens == 192
