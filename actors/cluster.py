@@ -8,6 +8,8 @@ import ray
 
 from kvcluster.cluster_config import ClusterConfig, NodeEntry
 from kvcluster.errors import ConfigError, KvclusterError
+from kvcluster.model_spec import load_model_spec
+from kvcluster.storage.layout import layout_for
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE
@@ -70,8 +72,9 @@ def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
             started.append(actor_name(node.name, t.tier))
             tiers.append((node.name, t.tier))
     ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
+    shards = layout_for(load_model_spec(cfg.model), cfg.block_tokens, cfg.dtype).shards
     controller = PlacementController.options(name=PLACEMENT_NAME, namespace=NAMESPACE, lifetime="detached",
-                                             get_if_exists=True).remote(tiers, cfg.placement.model_dump())
+                                             get_if_exists=True).remote(tiers, cfg.placement.model_dump(), shards)
     ray.get(controller.start.remote(placement_period_s), timeout=60)
     return {"tiers": started, "block_bytes": slot_bytes}
 

@@ -102,7 +102,9 @@ def bytes_moved() -> Counter:
 
 @lru_cache(maxsize=None)
 def evictions() -> Counter:
-    return Counter("kvcluster_evictions", "Blocks leaving a tier by policy decision (unit=block or head_shard).",
+    return Counter("kvcluster_evictions", "Blocks leaving a tier by policy decision (unit=block), and the head "
+                   "shards they take with them (unit=head_shard: kv heads per block, 1 for an MLA latent; the live "
+                   "path evicts whole blocks, so shards leave with their block).",
                    tag_keys=("node", "tier", "unit"))
 
 

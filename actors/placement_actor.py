@@ -33,8 +33,11 @@ NIXL_TIERS = ("dram", "cxl")  # tiers whose pool other nodes read over NIXL
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class PlacementController:
-    def __init__(self, tiers: list[tuple[str, str]], config: dict | None = None) -> None:
+    def __init__(self, tiers: list[tuple[str, str]], config: dict | None = None, head_shards: int = 1) -> None:
+        """`head_shards`: head shards per block payload (kv heads; 1 for an MLA latent): an evicted block
+        takes that many shards with it, counted as `unit="head_shard"` next to `unit="block"`."""
         self.cfg = PlacementConfig.model_validate(config or {})
+        self.head_shards = head_shards
         self.tiers = [tuple(t) for t in tiers]
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
         self.predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
@@ -107,6 +110,8 @@ class PlacementController:
                     done[m.reason] += 1
                     if m.reason in ("demote", "spill") and m.drop_source:
                         metrics.evictions().inc(1, {"node": src[0], "tier": src[1], "unit": "block"})
+                        metrics.evictions().inc(self.head_shards, {"node": src[0], "tier": src[1],
+                                                                   "unit": "head_shard"})
                     if m.reason == "promote":
                         metrics.prefetches().inc(1, {"outcome": "issued"})
             for how, blocks in via.items():

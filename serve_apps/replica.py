@@ -122,6 +122,7 @@ class KVReplica:
         new = tiered.evictions[0] - self._evictions_reported
         if new:
             metrics.evictions().inc(new, {**tags, "unit": "block"})
+            metrics.evictions().inc(new * self.runner.layout.shards, {**tags, "unit": "head_shard"})
             self._evictions_reported += new
 
     async def _report_model_of_reuse(self) -> None:

@@ -172,7 +172,7 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     ray.get(dram.get_many.remote(promoted[:1]))
     ray.get(dram.delete.remote(promoted[1:]))
     details = ['tier="dram"', 'outcome="hit"', 'how="write_through"', 'status="200"', 'outcome="wasted"',
-               'unit="block"']
+               'unit="block"', 'unit="head_shard"']
 
     def scrape_until_complete(timeout_s: float) -> tuple[list, str]:
         """Ray's /metrics can answer with part of the series (ray-project/ray#63131): poll for a whole view."""
