@@ -15,6 +15,7 @@ directly in this tier's own slots.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -244,4 +245,5 @@ class TierActor:
         self._report_bytes()
         return {"node": self.cfg.node, "tier": self.cfg.tier, "slot_bytes": self.cfg.slot_bytes,
                 "capacity_blocks": self.backend.capacity_bytes // self.cfg.slot_bytes,
-                "used_blocks": self.backend.used_bytes // self.cfg.slot_bytes}
+                "used_blocks": self.backend.used_bytes // self.cfg.slot_bytes,
+                "pid": os.getpid()}  # changes when the actor restarts: its memory tier came back empty

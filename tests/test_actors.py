@@ -152,8 +152,14 @@ def test_a_replica_reads_dram_over_nixl_and_a_restarted_tier_is_a_miss_then_refi
     got, store = fetch()
     assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
     assert store.counters["nixl_blocks"] == 4 and ("n0", "dram") in readers
+    old_pid = ray.get(dram.describe.remote())["pid"]
     ray.kill(dram, no_restart=False)
-    wait_for(lambda: _try(lambda: ray.get(dram.describe.remote(), timeout=5)))
+
+    def restarted() -> bool:
+        described = _try(lambda: ray.get(dram.describe.remote(), timeout=5))
+        return isinstance(described, dict) and described["pid"] != old_pid
+
+    wait_for(restarted)
     assert all(ray.get(dram.put_many.remote(keys, data)))  # the restarted tier holds them again, in a new slab
     wait_for(lambda: ray.get(index.longest_prefix.remote(keys)).length == 4)
     got, store = fetch()  # the reader still knows the dead process's NIXL agent
