@@ -327,3 +327,20 @@ def test_a_large_batch_spread_over_threads_round_trips_and_catches_corruption(ma
     assert again[2] is None and all(a is not None for i, a in enumerate(again) if i != 2)
     assert backend.stats()["corrupt"] == 1 and ks[2] not in backend.table
     backend.check_integrity()
+
+
+def test_reservations_of_a_writer_that_died_expire_and_free_their_slots() -> None:
+    from kvcluster.storage.rdma import RESERVATION_TTL_S
+
+    pool = NixlPeerPool(2, 1 << 12, name="ttl-peer")
+    ks = [bytes(k) for k in keys(3, "ttl")]
+    first = pool.reserve(ks[:2], [100, 100], now=0.0)  # a writer reserves both slots, then dies
+    assert None not in first and len(set(first)) == 2 and pool.pending == 2
+    assert pool.reserve(ks[2:], [100], now=1.0) == [None]  # full while those reservations stand
+    (late,) = pool.reserve(ks[2:], [100], now=RESERVATION_TTL_S + 1)  # expired: the slots are free again
+    assert late is not None and pool.pending == 1
+    pool.commit(ks[:1], [first[0]], [100], [0])  # the dead writer's late commit makes nothing readable
+    assert pool.lookup(ks[:1]) == [None]
+    pool.commit(ks[2:], [late], [100], [7])
+    assert pool.lookup(ks[2:]) == [(late, 100, 7)] and pool.pending == 0
+    pool.table.check_integrity()

@@ -26,6 +26,9 @@ from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
 from .slab import SlotTable
 
 
+RESERVATION_TTL_S = 120.0  # a reserved slot nobody committed is free again after this (transfers give up at 30 s)
+
+
 class PeerUnavailable(StorageError):
     """The pool's owner cannot be reached (its node left, its actor is restarting)."""
 
@@ -62,7 +65,7 @@ class NixlPeerPool:
         self.agent = _agent(name or f"kvc-pool-{uuid.uuid4().hex[:8]}")
         self.agent.register_memory(self.pool)
         self.table = SlotTable(slots) if table is None else table
-        self._pending: dict[bytes, int] = {}
+        self._pending: dict[bytes, tuple[int, float]] = {}  # key -> (reserved slot, when it expires)
 
     def connect(self, client_metadata: bytes) -> tuple[bytes, bytes, int, str]:
         """Exchange metadata once: the client's agent learns this slab's address."""
@@ -70,33 +73,44 @@ class NixlPeerPool:
         descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(self.pool))
         return self.agent.get_agent_metadata(), descs, self.slot_bytes, self.agent.name
 
-    def reserve(self, keys: list[bytes], lengths: list[int]) -> list[int | None]:
+    def reserve(self, keys: list[bytes], lengths: list[int], now: float | None = None) -> list[int | None]:
+        now = time.monotonic() if now is None else now
+        self._expire(now)
         slots = []
         for key, length in zip(keys, lengths):
             if length > self.slot_bytes:
                 slots.append(None)
                 continue
             self.table.release(BlockKey(key))  # an overwrite: the old copy stops being readable now
-            stale = self._pending.pop(key, None)  # an earlier reservation that was never committed
-            if stale is not None:
-                self.table.abandon(stale)
+            self.cancel([key])  # an earlier reservation of this key that was never committed
             slot = self.table.allocate(BlockKey(key))  # a free slot, held only here until commit
             if slot is not None:
-                self._pending[key] = slot
+                self._pending[key] = (slot, now + RESERVATION_TTL_S)
             slots.append(slot)
         return slots
+
+    def _expire(self, now: float) -> None:
+        """Reservations of writers that died or gave up (their transfers time out long before) go back."""
+        stale = [key for key, (_, until) in self._pending.items() if until <= now]
+        self.cancel(stale)
 
     def cancel(self, keys: list[bytes]) -> None:
         """Give back reservations whose bytes never arrived."""
         for key in keys:
-            slot = self._pending.pop(key, None)
-            if slot is not None:
-                self.table.abandon(slot)
+            held = self._pending.pop(key, None)
+            if held is not None:
+                self.table.abandon(held[0])
 
     def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None:
         for key, slot, length, digest in zip(keys, slots, lengths, digests):
-            if self._pending.pop(key, None) == slot:
+            held = self._pending.get(key)
+            if held is not None and held[0] == slot:  # an expired or superseded reservation commits nothing
+                del self._pending[key]
                 self.table.commit(BlockKey(key), slot, length, digest)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
     def lookup(self, keys: list[bytes]) -> list[tuple[int, int, int] | None]:
         entries = [self.table.get(BlockKey(k)) for k in keys]
