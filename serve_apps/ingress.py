@@ -126,9 +126,13 @@ class OpenAIIngress:
         spec = load_model_spec(self.cfg.model)
         self.window = spec.max_position_embeddings or 2048
         self.vocab = int(spec.hf_config.get_text_config().vocab_size)
-        # routing keys must equal the replicas' (a mismatch only loses prefix affinity, never correctness)
+        # routing keys must equal the replicas' (a mismatch only loses prefix affinity, never correctness):
+        # computed here first, then taken from a replica once one answers (device: auto resolves per process,
+        # and random weights drawn on a GPU replica differ from a CPU ingress's)
         fingerprint = model_fingerprint(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.resolved_device())
         self.keyspace = KeySpace(fingerprint, self.cfg.root_seed)
+        self._keyspace_confirmed = False
+        self._keyspace_asked_at = float("-inf")
         self.api_keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in self.cfg.keys()}
         self.cluster = cache_cluster(self.cfg)
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None
@@ -238,10 +242,25 @@ class OpenAIIngress:
         return {"prompt_ids": ids, "spans": spans, "params": body.sampling(max_tokens).model_dump(),
                 "cache_salt": salt}
 
+    async def _confirm_keyspace(self) -> None:
+        """Adopt the replicas' model fingerprint for routing keys (one call, retried at most every 10 s)."""
+        if self._keyspace_confirmed or time.monotonic() - self._keyspace_asked_at < 10:
+            return
+        self._keyspace_asked_at = time.monotonic()
+        try:
+            info = await self.replica.info.remote()
+        except ray.exceptions.RayError:
+            return
+        if info.get("fingerprint") and info["fingerprint"] != self.keyspace.model:
+            log.info("routing keys follow the replicas' model fingerprint %s", info["fingerprint"])
+            self.keyspace = KeySpace(info["fingerprint"], self.cfg.root_seed)
+        self._keyspace_confirmed = True
+
     async def _route(self, job: dict) -> str | None:
         """Ray node id of the node holding the longest prefix of the prompt (None: no preference)."""
         if self.index is None:
             return None
+        await self._confirm_keyspace()
         b = self.cfg.block_tokens
         usable = (len(job["prompt_ids"]) - 1) // b
         keys = self.keyspace.chain_token_ids(job["prompt_ids"][: usable * b], b, job["cache_salt"])

@@ -141,7 +141,7 @@ class KVReplica:
 
     def info(self) -> dict:
         store = self.runner.store
-        return {"node": self.node, "served": self.served, "pid": os.getpid(),
+        return {"node": self.node, "served": self.served, "pid": os.getpid(), "fingerprint": self.loaded.fingerprint,
                 "tiers_hit": dict(getattr(store, "counters", {})), "block_bytes": self.runner.layout.nbytes()}
 
     def check_health(self) -> None:

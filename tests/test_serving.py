@@ -22,6 +22,19 @@ def test_models_and_health(client, endpoint):
     assert httpx.get(f"{endpoint}/health").json()["status"] == "ok"
 
 
+def test_replicas_tell_the_ingress_their_model_fingerprint(endpoint):
+    """The ingress builds routing keys from the replicas' fingerprint (one info call), so a replica whose random
+    weights were drawn on another device than the ingress's still gets prefix-affine traffic."""
+    from ray import serve
+
+    from kvcluster.serving.models import model_fingerprint
+
+    info = serve.get_deployment_handle("KVReplica", app_name="default").info.remote().result(timeout_s=60)
+    assert info["fingerprint"] == model_fingerprint(MODEL, "fp32", 0, "cpu") and info["node"] == "n0"
+    r = httpx.post(f"{endpoint}/v1/completions", json={"model": MODEL, "prompt": DOC, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-kvcluster-node"] == "n0"
+
+
 def test_completion_with_cache_hit_equals_cold_output(client, reference):
     prompt = "Summary of the design: " + DOC
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
