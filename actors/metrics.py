@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from functools import lru_cache
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -64,7 +65,7 @@ class KeptGauge:
     def _keep() -> None:
         period = max(0.25, _report_interval_s() / 2)
         while True:
-            threading.Event().wait(period)
+            time.sleep(period)
             for g in list(KeptGauge._all):
                 try:
                     g.refresh()

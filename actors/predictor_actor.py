@@ -45,7 +45,7 @@ class PredictorActor:
         return self.predictor.version
 
     def _publish(self) -> None:
-        """Posterior means as gauges (replicas publish them too, from their snapshots)."""
+        """Posterior means as gauges (kept: re-recorded every export interval until the next change)."""
         metrics.publish_posteriors(self.predictor.snapshot())
 
     def snapshot(self) -> PredictorSnapshot:

@@ -237,7 +237,7 @@ class TierActor:
         done = [i for i in range(len(keys)) if out[i] is not None]
         self._stored([keys[i] for i in done], [bool(out[i]) for i in done],
                      None if pairs is None else [pairs[i] for i in done], prefetch)
-        self._pulled += sum(1 for o in out if o)
+        self._pulled += len(arrived)
         return out
 
     def describe(self) -> dict:

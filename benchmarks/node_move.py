@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
 from actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
 from actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
+from kvcluster.cli import positive_int  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 
 
@@ -73,9 +74,9 @@ def best(fn, repeat: int, setup=None) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--block-kib", type=int, default=512)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--blocks", type=positive_int, default=32)
+    parser.add_argument("--block-kib", type=positive_int, default=512)
+    parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvn", dir="/tmp")

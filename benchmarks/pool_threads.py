@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
 from kvcluster.storage import dram_backend
 from kvcluster.storage.base import checksum
@@ -36,7 +37,7 @@ def best_s(fn, repeat: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--repeat", type=positive_int, default=30)
     args = parser.parse_args()
     rows = []
     for total in BATCHES:

@@ -22,6 +22,8 @@ import time
 import numpy as np
 import ray
 
+from kvcluster.cli import positive_int
+
 
 @ray.remote(num_cpus=0)
 class Noop:
@@ -31,9 +33,9 @@ class Noop:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=124, help="124 x 128 KiB: 1,984 tokens of the default model")
-    parser.add_argument("--block-kib", type=int, default=128)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--blocks", type=positive_int, default=124, help="124 x 128 KiB: 1,984 tokens of the default model")
+    parser.add_argument("--block-kib", type=positive_int, default=128)
+    parser.add_argument("--repeat", type=positive_int, default=15)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvf", dir="/tmp")

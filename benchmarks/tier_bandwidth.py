@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, cxl_backend, dram_backend, hbm_backend
 
@@ -126,7 +127,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", default=None, help="directory for nvme/pfs files (default: a temp dir)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=positive_int, default=5)
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvc-bw-"))
     rows = []

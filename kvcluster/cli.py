@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type for counts and sizes: a clear error naming the flag instead of a later crash."""
     try:
         value = int(text)
     except ValueError:
@@ -219,9 +220,9 @@ def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
     """Options shared by `replay` and `report`: how the trace is read."""
     p.add_argument("--format", default="auto", metavar="FORMAT",
                    help=f"trace format: auto (sniffed, the default) or one of {', '.join(formats)}")
-    p.add_argument("--block-size", type=_positive_int, metavar="TOKENS",
+    p.add_argument("--block-size", type=positive_int, metavar="TOKENS",
                    help="tokens per block for text traces (hash traces fix their own)")
-    p.add_argument("--max-records", type=_positive_int, metavar="N",
+    p.add_argument("--max-records", type=positive_int, metavar="N",
                    help="read at most N records (lines; session files for claude-code, trajectories for swe-agent)")
     p.add_argument("--strict", action="store_true", help="fail on the first malformed trace record instead of "
                                                          "skipping it (skipped records are listed on stderr)")
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("model", help="a name under configs/models, or a path to a HF config.json / checkpoint dir")
     size.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
     size.add_argument("--weights-dtype", choices=DTYPE_CHOICES, help="weight dtype (default: as published)")
-    size.add_argument("--context", type=_positive_int, metavar="TOKENS",
+    size.add_argument("--context", type=positive_int, metavar="TOKENS",
                       help="tokens per sequence (default: min(max positions, 32768))")
     size.add_argument("--hbm-gib", type=_non_negative_float, metavar="GIB",
                       help="HBM for weights + KV; reports the maximum concurrent sequences")
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("model", help="a name under configs/models, or a config path")
     capacity.add_argument("--tiers", required=True, help="a tiers YAML (path, or a name under configs/tiers)")
     capacity.add_argument("--dtype", choices=DTYPE_CHOICES, help="KV dtype (default: the model's dtype)")
-    capacity.add_argument("--context", type=_positive_int, metavar="TOKENS",
+    capacity.add_argument("--context", type=positive_int, metavar="TOKENS",
                           help="tokens per sequence for the sequences column")
     capacity.add_argument("--json", action="store_true", help="print one JSON object")
     capacity.set_defaults(func=_cmd_capacity)
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default h100-node)")
     rep.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
                      help="prefetch blocks of requests arriving within this many seconds (multi-tier runs)")
-    rep.add_argument("--sample-every", type=_positive_int, metavar="N",
+    rep.add_argument("--sample-every", type=positive_int, metavar="N",
                      help="sample tier occupancy every N requests (default: about 200 points per run)")
     _trace_options(rep, TRACE_FORMATS)
     rep.add_argument("--json", action="store_true", help="print one JSON object with the written paths")

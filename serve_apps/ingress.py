@@ -7,6 +7,7 @@ ending in `[DONE]`. Every client mistake is a 4xx with an OpenAI error body.
 """
 
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -133,6 +134,7 @@ class OpenAIIngress:
         self.keyspace = KeySpace(fingerprint, self.cfg.root_seed)
         self._keyspace_confirmed = False
         self._keyspace_asked_at = float("-inf")
+        self._keyspace_task: asyncio.Task | None = None
         self.api_keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in self.cfg.keys()}
         self.cluster = cache_cluster(self.cfg)
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None
@@ -242,14 +244,20 @@ class OpenAIIngress:
         return {"prompt_ids": ids, "spans": spans, "params": body.sampling(max_tokens).model_dump(),
                 "cache_salt": salt}
 
-    async def _confirm_keyspace(self) -> None:
-        """Adopt the replicas' model fingerprint for routing keys (one call, retried at most every 10 s)."""
+    def _confirm_keyspace(self) -> None:
+        """Ask a replica for its model fingerprint in the background (at most every 10 s until it answers);
+        requests route with the locally computed keys meanwhile, never waiting for it."""
         if self._keyspace_confirmed or time.monotonic() - self._keyspace_asked_at < 10:
             return
+        if self._keyspace_task is not None and not self._keyspace_task.done():
+            return
         self._keyspace_asked_at = time.monotonic()
+        self._keyspace_task = asyncio.get_running_loop().create_task(self._adopt_replica_keyspace())
+
+    async def _adopt_replica_keyspace(self) -> None:
         try:
-            info = await self.replica.info.remote()
-        except ray.exceptions.RayError:
+            info = await asyncio.wait_for(self.replica.info.remote(), timeout=30)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
             return
         if info.get("fingerprint") and info["fingerprint"] != self.keyspace.model:
             log.info("routing keys follow the replicas' model fingerprint %s", info["fingerprint"])
@@ -260,7 +268,7 @@ class OpenAIIngress:
         """Ray node id of the node holding the longest prefix of the prompt (None: no preference)."""
         if self.index is None:
             return None
-        await self._confirm_keyspace()
+        self._confirm_keyspace()
         b = self.cfg.block_tokens
         usable = (len(job["prompt_ids"]) - 1) // b
         keys = self.keyspace.chain_token_ids(job["prompt_ids"][: usable * b], b, job["cache_salt"])

@@ -103,7 +103,10 @@ class PFSBackend(StorageBackend):
                 continue
             if dst is None:
                 self._stats.corrupt += 1
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:  # a read-only mount: the bad file stays, and stays a miss on every read
+                    pass
                 results.append(None)
                 continue
             self._stats.gets += 1
