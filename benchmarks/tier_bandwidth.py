@@ -28,6 +28,7 @@ from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend
 
 MAX_BLOCK = 2 << 20  # one 16-token block of Llama-3.1-8B in bf16: 32 layers x 2 x 8 heads x 16 x 128 x 2 B
 BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+BACKENDS = ("hbm", "dram", "cxl", "nvme", "pfs", "rdma")
 BLOCK = MAX_BLOCK  # set per batch: min(batch, MAX_BLOCK)
 
 
@@ -128,12 +129,25 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", default=None, help="directory for nvme/pfs files (default: a temp dir)")
     parser.add_argument("--repeat", type=positive_int, default=5)
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS))
+    parser.add_argument("--batches-kib", default=",".join(str(b >> 10) for b in BATCHES),
+                        help="comma-separated batch sizes in KiB")
     args = parser.parse_args()
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = sorted(set(wanted) - set(BACKENDS))
+    if unknown or not wanted:
+        parser.error(f"--backends: unknown backend(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(BACKENDS)}")
+    try:
+        batches = [int(b) << 10 for b in args.batches_kib.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batches-kib: expected comma-separated integers, got {args.batches_kib!r}")
+    if not batches or min(batches) <= 0:
+        parser.error("--batches-kib: every batch size must be a positive number of KiB")
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvc-bw-"))
     rows = []
     space = KeySpace(model="bench")
     global BLOCK
-    for nbytes in BATCHES:
+    for nbytes in batches:
         BLOCK = min(nbytes, MAX_BLOCK)
         n = nbytes // BLOCK
         # payloads and landing buffers are rows of two host tensors: what a tier pool hands the rdma backend
@@ -145,19 +159,26 @@ def main() -> int:
         slots = max(n, 1)
         sub = root / f"b{nbytes}"
         sub.mkdir(parents=True, exist_ok=True)
-        pool = NixlPeerPool(slots, BLOCK)
-        nvme = NVMeBackend(sub / "nvme", slots, BLOCK)
-        rdma = RDMABackend(pool, max(nbytes, BLOCK), slots)
-        rdma.register(source)  # both sides registered, as the raw NIXL reference's buffers are
-        rdma.register(landing)
-        cases = {
-            "hbm": (hbm_backend(slots, BLOCK), ref_copy(blocks, out)),
-            "dram": (dram_backend(slots, BLOCK), ref_copy(blocks, out)),
-            "cxl": (cxl_backend(slots, BLOCK), ref_copy(blocks, out)),
-            "nvme": (nvme, ref_posix(sub, blocks, nvme.direct)),
-            "pfs": (PFSBackend(sub / "pfs", 1 << 34), ref_files(sub, blocks)),
-            "rdma": (rdma, ref_nixl(nbytes)),
+
+        def rdma_case():
+            rdma = RDMABackend(NixlPeerPool(slots, BLOCK), max(nbytes, BLOCK), slots)
+            rdma.register(source)  # both sides registered, as the raw NIXL reference's buffers are
+            rdma.register(landing)
+            return rdma, ref_nixl(nbytes)
+
+        def nvme_case():
+            nvme = NVMeBackend(sub / "nvme", slots, BLOCK)
+            return nvme, ref_posix(sub, blocks, nvme.direct)
+
+        factories = {
+            "hbm": lambda: (hbm_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "dram": lambda: (dram_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "cxl": lambda: (cxl_backend(slots, BLOCK), ref_copy(blocks, out)),
+            "nvme": nvme_case,
+            "pfs": lambda: (PFSBackend(sub / "pfs", 1 << 34), ref_files(sub, blocks)),
+            "rdma": rdma_case,
         }
+        cases = {name: factories[name]() for name in BACKENDS if name in wanted}
         items = list(zip(keys, blocks))
         for name, (backend, (ref_put, ref_get)) in cases.items():
             # pfs is content-addressed (a key on file is not written again): each timed put writes new files

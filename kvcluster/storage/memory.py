@@ -4,8 +4,8 @@ All three are one preallocated slab of `slots x slot_bytes` bytes. HBM lives on
 the CUDA device when there is one and on the CPU otherwise (reported); DRAM is
 pinned when CUDA exists; CXL binds its pages to a CPU-less NUMA node (the way
 Linux exposes a CXL Type-3 expander) and otherwise is a DRAM pool reporting
-`emulated: true`. Reads from DRAM and CXL verify the checksum; HBM, the tier the
-model reads directly, does not. A host pool spreads a large batch's copies and
+`emulated: true`. Reads from DRAM and CXL verify the checksum, computed during the
+copy itself (`copyhash`); HBM, the tier the model reads directly, does not. A host pool spreads a large batch's copies and
 hashes over the cores (`parallel.BatchWorkers`).
 """
 
@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..keys import BlockKey
-from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
+from .base import BackendStats, Payload, SlottedBackend, StorageError
+from .copyhash import copy_hash
 from .numa import bind_to_node, cpuless_numa_nodes
 from .parallel import BatchWorkers
 from .slab import SlotTable
@@ -53,12 +54,12 @@ class MemoryPoolBackend(SlottedBackend):
             slot, view = slots[i], views[i]
             if slot is None:
                 return
-            if self._host is not None:
-                self._host[slot, : view.nbytes] = view
-            else:
+            if self._host is None:
                 self.pool[slot, : view.nbytes].copy_(torch.from_numpy(view.copy()), non_blocking=False)
-            if self.verify:
-                digests[i] = checksum(view)
+            elif self.verify:
+                digests[i] = copy_hash(self._host[slot], view)
+            else:
+                self._host[slot, : view.nbytes] = view
 
         try:
             self._run(store, len(items), sum(v.nbytes for v in views))
@@ -93,9 +94,12 @@ class MemoryPoolBackend(SlottedBackend):
             src = self._host[entry.slot, : entry.length] if self._host is not None else \
                 self.pool[entry.slot, : entry.length].cpu().numpy()
             dst = out[i][: entry.length] if out is not None else np.empty(entry.length, dtype=np.uint8)
-            np.copyto(dst, src)
             results[i] = dst
-            intact[i] = not self.verify or checksum(dst) == entry.checksum
+            if self.verify:
+                intact[i] = copy_hash(dst, src) == entry.checksum
+            else:
+                np.copyto(dst, src)
+                intact[i] = True
 
         self._run(load, len(keys), sum(e.length for e in entries if e is not None))
         for i, (key, entry) in enumerate(zip(keys, entries)):

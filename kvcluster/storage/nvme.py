@@ -4,6 +4,9 @@ I/O path, best first, and reported in `medium`:
 - KvikIO (GPUDirect Storage, or its compat mode) when a CUDA driver exists;
 - POSIX with O_DIRECT (page-cache bypass, aligned buffers) where the filesystem allows;
 - buffered POSIX `os.pwrite` / `os.preadv` otherwise (tmpfs, overlayfs).
+Bytes pass through two aligned staging buffers: while one block is on its way to
+or from the disk, another core copies the previous one (checksum summed in the
+copy), so a batch costs about its I/O time, not I/O plus copies.
 The slot index lives in memory: the tier is a cache, a restart starts it empty.
 """
 
@@ -14,12 +17,14 @@ import errno
 import mmap
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..keys import BlockKey
-from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
+from .base import BackendStats, Payload, SlottedBackend, StorageError
+from .copyhash import copy_hash
+from .parallel import BatchWorkers
 from .slab import SlotTable
 
 ALIGN = 4096
@@ -54,8 +59,10 @@ class NVMeBackend(SlottedBackend):
         path = "kvikio" if self.kvikio else "posix-odirect" if self.direct else "posix-buffered"
         self.medium = f"slab file {self.path} via {path}"
         self.emulated = self.kvikio is None  # no GPUDirect Storage: bytes go through host memory
-        self._stage = mmap.mmap(-1, self.slot_bytes)  # page-aligned, as O_DIRECT requires
-        self._stage_view = np.frombuffer(self._stage, dtype=np.uint8)
+        # two page-aligned staging buffers (O_DIRECT needs aligned memory): one on the disk, one being copied
+        self._stages = [mmap.mmap(-1, self.slot_bytes) for _ in range(2)]
+        self._stage_views = [np.frombuffer(stage, dtype=np.uint8) for stage in self._stages]
+        self._workers = BatchWorkers()
         self.table = SlotTable(slots)
         self._stats = BackendStats()
 
@@ -80,55 +87,90 @@ class NVMeBackend(SlottedBackend):
             return None
 
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
-        ok = []
-        for key, data in items:
-            view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-            slot = self.table.allocate(key) if view.nbytes <= self.slot_bytes else None
-            if slot is None:
+        """Each payload is copied into a staging buffer (summed on the way) while the previous one is written."""
+        ok = [False] * len(items)
+        views = [np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) for _, data in items]
+        order = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes]
+        self._stats.put_failures += len(items) - len(order)
+        background = self._workers.worth(sum(views[i].nbytes for i in order))
+        fills: dict[int, Callable[[], int]] = {}
+
+        def fill(j: int) -> None:  # stage j % 2 was last written out by item j - 2: free
+            if j < len(order):
+                fills[j] = self._workers.start(background, copy_hash, self._stage_views[j % 2], views[order[j]])
+
+        fill(0)
+        for j, i in enumerate(order):
+            fill(j + 1)
+            digest = fills.pop(j)()
+            key = items[i][0]
+            slot = self.table.allocate(key)
+            if slot is None or self._write(self._stages[j % 2], slot * self.slot_bytes) != self.slot_bytes:
+                if slot is not None:
+                    self.table.abandon(slot)
+                    self.table.release(key)
                 self._stats.put_failures += 1
-                ok.append(False)
                 continue
-            self._stage_view[: view.nbytes] = view
-            try:
-                written = os.pwrite(self.fd, self._stage, slot * self.slot_bytes)
-            except OSError:
-                written = -1
-            if written != self.slot_bytes:
-                self.table.abandon(slot)
-                self.table.release(key)
-                self._stats.put_failures += 1
-                ok.append(False)
-                continue
-            self.table.commit(key, slot, view.nbytes, checksum(view))
+            self.table.commit(key, slot, views[i].nbytes, digest)
             self._stats.puts += 1
-            self._stats.put_bytes += view.nbytes
-            ok.append(True)
+            self._stats.put_bytes += views[i].nbytes
+            ok[i] = True
         return ok
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
-        results: list[np.ndarray | None] = []
-        for i, key in enumerate(keys):
-            entry = self.table.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                results.append(None)
-                continue
-            try:
-                n = os.preadv(self.fd, [self._stage], entry.slot * self.slot_bytes)
-            except OSError:
-                n = -1
-            data = self._stage_view[: entry.length]
-            if n != self.slot_bytes or checksum(data) != entry.checksum:
-                self._stats.corrupt += 1
-                self.table.release(key)
-                results.append(None)
-                continue
+        """Each block is read into a staging buffer while the previous one is copied out and verified."""
+        entries = [self.table.get(key) for key in keys]
+        present = [i for i, entry in enumerate(entries) if entry is not None]
+        self._stats.misses += len(keys) - len(present)
+        results: list[np.ndarray | None] = [None] * len(keys)
+        background = self._workers.worth(sum(entries[i].length for i in present))
+        checks: dict[int, Callable[[], bool]] = {}
+
+        def check(stage: int, i: int) -> bool:
+            entry = entries[i]
             dst = out[i][: entry.length] if out is not None else np.empty(entry.length, dtype=np.uint8)
-            np.copyto(dst, data)
-            self._stats.gets += 1
-            self._stats.get_bytes += entry.length
-            results.append(dst)
+            results[i] = dst
+            return copy_hash(dst, self._stage_views[stage][: entry.length]) == entry.checksum
+
+        def settle(j: int) -> None:
+            i = present[j]
+            if checks.pop(j)():
+                self._stats.gets += 1
+                self._stats.get_bytes += entries[i].length
+            else:  # what landed in `out[i]` is not handed out: a miss
+                results[i] = None
+                self._stats.corrupt += 1
+                self.table.release(keys[i])
+
+        for j, i in enumerate(present):
+            if j - 2 in checks:
+                settle(j - 2)  # its stage is needed again
+            if self._read(self._stages[j % 2], entries[i].slot * self.slot_bytes) != self.slot_bytes:
+                self._stats.corrupt += 1
+                self.table.release(keys[i])
+                continue
+            checks[j] = self._workers.start(background, check, j % 2, i)
+        for j in sorted(checks):
+            settle(j)
         return results
+
+    def _write(self, stage: mmap.mmap, offset: int) -> int:
+        """Bytes written from a whole staging buffer, or -1 on an I/O error."""
+        try:
+            if self.kvikio is not None:
+                return self.kvikio.pwrite(np.frombuffer(stage, dtype=np.uint8), self.slot_bytes, offset).get()
+            return os.pwrite(self.fd, stage, offset)
+        except (OSError, RuntimeError):  # RuntimeError: KvikIO's own I/O errors
+            return -1
+
+    def _read(self, stage: mmap.mmap, offset: int) -> int:
+        """Bytes read into a whole staging buffer, or -1 on an I/O error."""
+        try:
+            if self.kvikio is not None:
+                return self.kvikio.pread(np.frombuffer(stage, dtype=np.uint8), self.slot_bytes, offset).get()
+            return os.preadv(self.fd, [stage], offset)
+        except (OSError, RuntimeError):  # RuntimeError: KvikIO's own I/O errors
+            return -1
 
     def stats(self) -> dict:
         return {**super().stats(), "o_direct": self.direct}

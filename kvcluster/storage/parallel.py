@@ -1,19 +1,23 @@
 """Spreading a batch's copies and checksums over the cores.
 
-Why: a checksummed memory tier does a copy and a hash per block, each about as
-costly as the other; numpy copies and xxhash both release the GIL, so a batch
-split over the cores' threads costs about one copy's time, not two. Smaller
-batches run inline: waking a pool thread costs ~75 us on this VM (measured:
-benchmarks/RESULTS.md), more than copying and hashing 4 MiB that sit in cache.
+Why: the native copy, checksum and file calls release the GIL, so a large batch
+split over the cores' threads is bound by memory bandwidth, not by one core
+(`run`), and a file tier can sum its payloads on one core while another writes
+them (`ahead`). Smaller batches run inline: waking a pool thread costs 40-75 us on
+this VM (measured: benchmarks/RESULTS.md), more than the work it would share.
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 PARALLEL_MIN_BYTES = 8 << 20  # below this a batch runs in the calling thread
+AHEAD_MIN_BYTES = 1 << 20  # below this `ahead` computes in the calling thread
 
 
 def default_workers() -> int:
@@ -37,15 +41,39 @@ class BatchWorkers:
             for i in range(n):
                 fn(i)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="kvc-copy")
+        pool = self._executor()
         bounds = [n * g // groups for g in range(groups + 1)]
 
         def group(g: int) -> None:
             for i in range(bounds[g], bounds[g + 1]):
                 fn(i)
 
-        futures = [self._pool.submit(group, g) for g in range(1, groups)]
+        futures = [pool.submit(group, g) for g in range(1, groups)]
         group(0)  # the calling thread takes the first share
         for f in futures:
             f.result()
+
+    def worth(self, nbytes: int) -> bool:
+        """Whether a batch of `nbytes` is large enough to share with a pool thread."""
+        return nbytes >= AHEAD_MIN_BYTES and self.workers > 1
+
+    def start(self, background: bool, fn: Callable[..., R], *args) -> Callable[[], R]:
+        """`fn(*args)` started now, on a pool thread when `background`, else done inline; call the result to wait."""
+        if not background:
+            result = fn(*args)
+            return lambda: result
+        return self._executor().submit(fn, *args).result
+
+    def ahead(self, fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[Callable[[], R]]:
+        """`fn(item)` for every item, started now on a pool thread, in order; each result is waited for on call.
+
+        For work the caller needs only later in its loop (a file's digest, needed after
+        its payload is written). Inline, and so already done, for small batches or one core.
+        """
+        background = self.worth(nbytes)
+        return [self.start(background, fn, item) for item in items]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="kvc-copy")
+        return self._pool

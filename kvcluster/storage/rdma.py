@@ -23,6 +23,7 @@ import torch
 
 from ..keys import BlockKey
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .copyhash import copy_hash
 from .slab import SlotTable
 
 
@@ -127,8 +128,7 @@ class NixlPeerPool:
             view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
             slot = self.table.allocate(BlockKey(key)) if view.nbytes <= self.slot_bytes else None
             if slot is not None:
-                host[slot, : view.nbytes] = view
-                self.table.commit(BlockKey(key), slot, view.nbytes, checksum(view))
+                self.table.commit(BlockKey(key), slot, view.nbytes, copy_hash(host[slot], view))
             ok.append(slot is not None)
         return ok
 
@@ -272,16 +272,16 @@ class RDMABackend(StorageBackend):
             except PeerUnavailable:
                 break
             picked = [i for i, s in zip(range(lo, hi), slots) if s is not None]
-            local, off = [], 0
+            local, digests, off = [], [], 0
             for i in picked:
-                self._stage_np[off : off + views[i].nbytes] = views[i]
+                digests.append(copy_hash(self._stage_np[off : off + views[i].nbytes], views[i]))
                 local.append((base + off, views[i].nbytes))
                 off += views[i].nbytes
             if picked:
                 try:
                     self._transfer("WRITE", local, [slots[i - lo] for i in picked])
                     self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
-                                     [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+                                     [views[i].nbytes for i in picked], digests)
                 except StorageError:  # peer gone mid-batch: these blocks are not stored (uncommitted slots are never read)
                     break
             for i in picked:
@@ -345,12 +345,10 @@ class RDMABackend(StorageBackend):
                         raise
                     break
                 for i, (addr, n) in zip(part, local):
-                    data = self._stage_np[addr - base : addr - base + n]
-                    if checksum(data) != entries[i][2]:
-                        corrupt.append(i)
-                        continue
                     dst = out[i][:n] if out is not None else np.empty(n, dtype=np.uint8)
-                    np.copyto(dst, data)
+                    if copy_hash(dst, self._stage_np[addr - base : addr - base + n]) != entries[i][2]:
+                        corrupt.append(i)  # what landed in `out[i]` is not handed out: a miss
+                        continue
                     results[i] = dst
                     digests[i] = entries[i][2]
         for i, data in landed:

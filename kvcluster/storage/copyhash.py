@@ -1,0 +1,84 @@
+"""The tiers' checksum, and copy/read primitives that compute it on the way.
+
+Why not xxh3 over the payload: on these CPUs xxh3-64 runs at about copy speed, so
+a checksummed 4 MiB read cost ~1.6x a plain copy, hashed or not in cache-sized
+chunks (measured: benchmarks/RESULTS.md). The checksum here, "fletcher64x4",
+costs two vector adds per 32 bytes on registers a copy loads anyway:
+
+- four interleaved Fletcher sums over 64-bit little-endian words: word i goes to
+  lane i % 4, where `a += w` and `b += a` (mod 2^64); a tail shorter than 32 bytes
+  is zero-padded to one more stripe;
+- the digest is xxh3-64, seeded with the byte length, of a[0..3] and b[0..3].
+
+`a` catches any change confined to one word (every single-bit error); `b` weighs
+words by position, so swapped or shifted data is caught; a torn write, a zeroed
+page or another block's bytes pass with probability ~2^-64. Blind spot of sums
+mod 2^64: paired opposite flips of the same high bit in one lane a power-of-two
+distance apart. ZFS's default data checksum (fletcher4) is of this family.
+
+The native module (`_copyhash`, built by setup.py from `native/`) fuses the sums
+into the copy and into 256 KiB file reads, with the GIL released. Without
+it (no C compiler at install time) numpy + xxhash compute the same digests,
+slower. `KERNEL` says which runs: "avx2", "base" (native, no AVX2) or "python".
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import xxhash
+
+try:
+    from . import _copyhash as _native
+except ImportError:  # the optional extension was not built
+    _native = None
+
+KERNEL: str = _native.KERNEL if _native is not None else "python"
+STRIPE = 32
+
+
+def _bytes(buf) -> np.ndarray:
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def _hash_py(src) -> int:
+    data = _bytes(src)
+    n = data.nbytes
+    whole = n - n % STRIPE
+    words = data[:whole].view("<u8").reshape(-1, 4)
+    if n % STRIPE:
+        last = np.zeros(STRIPE, dtype=np.uint8)
+        last[: n - whole] = data[whole:]
+        words = np.concatenate([words, last.view("<u8").reshape(1, 4)])
+    a = words.sum(axis=0, dtype=np.uint64)
+    weights = np.arange(len(words), 0, -1, dtype=np.uint64)  # word k enters b once per stripe from k on
+    b = (words * weights[:, None]).sum(axis=0, dtype=np.uint64)
+    return xxhash.xxh3_64_intdigest(a.astype("<u8").tobytes() + b.astype("<u8").tobytes(), seed=n)
+
+
+def _copy_hash_py(dst, src) -> int:
+    data = _bytes(src)
+    np.copyto(_bytes(dst)[: data.nbytes], data)
+    return _hash_py(data)
+
+
+def _pread_hash_py(fd: int, dst, offset: int) -> tuple[int, int]:
+    view = memoryview(dst).cast("B")
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done, _hash_py(view[:done])
+
+
+hash_bytes = _native.hash if _native is not None else _hash_py
+"""hash_bytes(src) -> the fletcher64x4 digest of a contiguous buffer's bytes."""
+
+copy_hash = _native.copy_hash if _native is not None else _copy_hash_py
+"""copy_hash(dst, src) -> digest: copies src into the start of dst, summing on the way."""
+
+pread_hash = _native.pread_hash if _native is not None else _pread_hash_py
+"""pread_hash(fd, dst, offset) -> (bytes read, digest of them); OSError on a read error."""
