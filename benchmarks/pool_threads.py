@@ -2,7 +2,8 @@
 
 Measures, for the dram pool, put/get against a numpy copy of the same blocks with
 1 and 2 copy threads, plus the three costs that decide the threshold: copying a
-batch, xxh3-64 over it, and one no-op round trip through a thread pool.
+batch, the checksum over it (alone, not fused with a copy), and one no-op round trip
+through a thread pool.
 
     .venv/bin/python benchmarks/pool_threads.py [--json] [--repeat 30]
 """
@@ -67,7 +68,7 @@ def main() -> int:
         print(json.dumps({"rows": rows, "thread_handoff_us": handoff_us}))
         return 0
     print(f"one no-op thread-pool round trip: {handoff_us:.0f} us")
-    print("| batch | copy us | xxh3 us | put/copy 1 thread | 2 threads | get/copy 1 thread | 2 threads |")
+    print("| batch | copy us | checksum us | put/copy 1 thread | 2 threads | get/copy 1 thread | 2 threads |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch_bytes'] >> 20} MiB | {r['copy_us']:.0f} | {r['hash_us']:.0f} | {r['put_vs_copy_w1']:.0%} | "

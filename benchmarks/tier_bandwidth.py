@@ -1,7 +1,8 @@
 """Put/get bandwidth of every tier backend against a raw reference of the same bytes, same run.
 
 References: numpy copy (hbm/dram/cxl), raw os.pwrite / os.preadv on the same
-directory (nvme), plain file write+read (pfs), one raw NIXL transfer (rdma).
+directory (nvme), plain file write+read (pfs), one raw NIXL transfer between the
+same two agents and memory (rdma).
 Goal: every backend >= 80% of its reference at >= 4 MiB batches. Backend and
 reference run in alternation, best of `--repeat` rounds each.
 
@@ -11,6 +12,7 @@ reference run in alternation, best of `--repeat` rounds each.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -98,30 +100,30 @@ def ref_files(directory: Path, blocks: list[np.ndarray]):
     return put, get
 
 
-def ref_nixl(nbytes: int):
-    from nixl._api import nixl_agent, nixl_agent_config
+def ref_nixl(client: RDMABackend, source: torch.Tensor, landing: torch.Tensor, first_slot: int):
+    """Raw NIXL transfers of the same bytes between the same two agents and memory as the backend's.
 
-    a = nixl_agent(f"ref-a-{nbytes}", nixl_agent_config(backends=["UCX"]))
-    b = nixl_agent(f"ref-b-{nbytes}", nixl_agent_config(backends=["UCX"]))
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    a.register_memory(src)
-    b.register_memory(dst)
-    a.add_remote_agent(b.get_agent_metadata())
-    local = a.get_xfer_descs(src)
-    remote = a.deserialize_descs(b.get_serialized_descs(b.get_xfer_descs(dst)))
+    The client's agent moves `source`'s rows to the pool's slots `first_slot...` (WRITE) and
+    back into `landing` (READ): one descriptor list each way, initialize_xfer, transfer, poll,
+    release. Slots from `first_slot` on are never given to the backend's blocks.
+    """
+    agent, peer, base = client.agent, client.peer_name, client._remote_base
+    rows, row_bytes = source.shape[0], source.shape[1]
+    remote = agent.get_xfer_descs([(base + (first_slot + i) * row_bytes, row_bytes, 0) for i in range(rows)], "DRAM")
 
-    keep = (b, src, dst)  # the peer agent and both buffers must outlive the transfers
+    def move(op: str, local_tensor: torch.Tensor):
+        local = agent.get_xfer_descs([(local_tensor.data_ptr() + i * row_bytes, row_bytes, 0) for i in range(rows)],
+                                     "DRAM")
 
-    def move(op):
         def run():
-            assert keep
-            h = a.initialize_xfer(op, local, remote, f"ref-b-{nbytes}")
-            state = a.transfer(h)
+            handle = agent.initialize_xfer(op, local, remote, peer)
+            state = agent.transfer(handle)
             while state != "DONE":
-                state = a.check_xfer_state(h)
-            a.release_xfer_handle(h)
+                assert state != "ERR", "raw NIXL transfer failed"
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
         return run
-    return move("WRITE"), move("READ")
+    return move("WRITE", source), move("READ", landing)
 
 
 def main() -> int:
@@ -161,10 +163,11 @@ def main() -> int:
         sub.mkdir(parents=True, exist_ok=True)
 
         def rdma_case():
-            rdma = RDMABackend(NixlPeerPool(slots, BLOCK), max(nbytes, BLOCK), slots)
-            rdma.register(source)  # both sides registered, as the raw NIXL reference's buffers are
+            # twice the slots: the backend's blocks take the first half, the raw reference writes the second
+            rdma = RDMABackend(NixlPeerPool(2 * slots, BLOCK), max(nbytes, BLOCK), 2 * slots)
+            rdma.register(source)  # payloads and landing buffers in registered memory: no staging copy
             rdma.register(landing)
-            return rdma, ref_nixl(nbytes)
+            return rdma, ref_nixl(rdma, source, landing, first_slot=slots)
 
         def nvme_case():
             nvme = NVMeBackend(sub / "nvme", slots, BLOCK)
@@ -178,9 +181,11 @@ def main() -> int:
             "pfs": lambda: (PFSBackend(sub / "pfs", 1 << 34), ref_files(sub, blocks)),
             "rdma": rdma_case,
         }
-        cases = {name: factories[name]() for name in BACKENDS if name in wanted}
         items = list(zip(keys, blocks))
-        for name, (backend, (ref_put, ref_get)) in cases.items():
+        for name in (name for name in BACKENDS if name in wanted):
+            # one case alive at a time: its threads, NIXL agents and buffers are gone before the next
+            gc.collect()
+            backend, (ref_put, ref_get) = factories[name]()
             # pfs is content-addressed (a key on file is not written again): each timed put writes new files
             fresh = (lambda b=backend: b.delete(keys)) if name == "pfs" else None
             backend.put_many(items)  # warm: slots faulted in, files and directories exist
@@ -197,6 +202,7 @@ def main() -> int:
                 "put_vs_ref": rput_s / put_s, "get_vs_ref": rget_s / get_s,
                 "put_latency_us_per_block": put_s / n * 1e6, "get_latency_us_per_block": get_s / n * 1e6,
             })
+            del backend, ref_put, ref_get
     if args.json:
         print(json.dumps(rows))
         return 0

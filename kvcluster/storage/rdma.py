@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Protocol, Sequence
@@ -24,6 +25,7 @@ import torch
 from ..keys import BlockKey
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
 from .copyhash import copy_hash
+from .parallel import BatchWorkers
 from .slab import SlotTable
 
 
@@ -34,14 +36,66 @@ class PeerUnavailable(StorageError):
     """The pool's owner cannot be reached (its node left, its actor is restarting)."""
 
 
+PIPELINE_GROUP_BYTES = 1 << 20  # a large direct read goes in transfers of about this size, verified while the next moves
+PROGRESS_DELAY_US = 100  # default pause of an agent's progress thread between idle polls
+
+
+def progress_delay_us() -> int:
+    """Microseconds an agent's progress thread sleeps when idle (`KVCLUSTER_NIXL_PROGRESS_DELAY_US`, default 100).
+
+    Why not NIXL's default: its Python API hard-codes 0, so every agent's progress thread
+    polls without pause and spins one core at 100%, idle or not (measured here: two idle
+    agents, 2.00 cores; with 100 us, 0.03 cores and the same 4 MiB transfer times). Every
+    tier actor, replica and controller holds an agent. The thread itself must stay: UCX
+    over TCP needs the target to progress, and a failed transfer's requests must be
+    completed before its agent goes, or they leak and can crash the process at exit.
+    0 restores NIXL's busy polling.
+    """
+    raw = os.environ.get("KVCLUSTER_NIXL_PROGRESS_DELAY_US", str(PROGRESS_DELAY_US)).strip()
+    try:
+        delay = int(raw)
+    except ValueError:
+        delay = -1
+    if delay < 0:
+        raise StorageError(f"KVCLUSTER_NIXL_PROGRESS_DELAY_US must be a whole number of microseconds >= 0, not {raw!r}")
+    return delay
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
 def _agent(name: str):
     try:
+        from nixl import _api
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise StorageError(f"rdma: NIXL is not importable: {exc}") from None
     if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO to stdout, breaking --json output
         logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    delay = progress_delay_us()
+    config = nixl_agent_config(backends=["UCX"])
+    bindings = getattr(_api, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):  # another NIXL layout: its own defaults
+        return nixl_agent(name, config)
+
+    class DelayedConfig(base):
+        """nixl_agent sets pthrDelay = 0 while it builds its config; this keeps ours instead."""
+
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _ignored: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay)
+
+    with _AGENT_CONFIG_LOCK:  # the agent's constructor reads nixlBind.nixlAgentConfig: swap it for this call only
+        bindings.nixlAgentConfig = DelayedConfig
+        try:
+            return nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
 
 
 class PeerControl(Protocol):
@@ -137,6 +191,19 @@ class NixlPeerPool:
         return len(self.table) * self.slot_bytes
 
 
+def _groups(lengths: Sequence[int], target: int) -> list[range]:
+    """Consecutive index ranges of about `target` bytes each (at least one block each)."""
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        used += n
+        if used >= target:
+            groups.append(range(start, i + 1))
+            start, used = i + 1, 0
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
 class RDMABackend(StorageBackend):
     """A peer's pool as a tier of this node (client side)."""
 
@@ -159,6 +226,7 @@ class RDMABackend(StorageBackend):
         self.medium = "peer DRAM pool via NIXL UCX (loopback on this machine, no RDMA NIC)"
         self.emulated = True
         self._stats = BackendStats()
+        self._workers = BatchWorkers()
 
     def register(self, region: torch.Tensor) -> None:
         """Register host memory the caller lands blocks in or sends them from (e.g. its own tier pool).
@@ -222,6 +290,31 @@ class RDMABackend(StorageBackend):
             except Exception:  # noqa: BLE001 - a handle of a vanished peer may not release cleanly
                 pass
 
+    def _read_direct(self, found: list[int], entries: list, addrs: list[int],
+                     out: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray, bool]]:
+        """Blocks read straight into registered `out` buffers: (index, data, checksum matches) per block.
+
+        A large batch goes in a few transfers, each group's checksums verified on another core
+        while the next group is on the wire. A failed transfer raises StorageError once the
+        checks in flight are over (they read `out`, which the caller may reuse)."""
+        lengths = [entries[i][1] for i in found]
+        background = self._workers.worth(sum(lengths))
+        checks = []
+
+        def verify(part: range) -> list[tuple[int, np.ndarray, bool]]:
+            landed = [(found[k], out[found[k]][: lengths[k]]) for k in part]
+            return [(i, data, checksum(data) == entries[i][2]) for i, data in landed]
+
+        for part in _groups(lengths, PIPELINE_GROUP_BYTES if background else sum(lengths)):
+            try:
+                self._transfer("READ", [(addrs[k], lengths[k]) for k in part], [entries[found[k]][0] for k in part])
+            except StorageError:
+                for check in checks:
+                    check()
+                raise
+            checks.append(self._workers.start(background, verify, part))
+        return [landed for check in checks for landed in check()]
+
     def _batches(self, lengths: Sequence[int]):
         """Split a batch so each part fits in the staging buffer."""
         start, used = 0, 0
@@ -247,8 +340,11 @@ class RDMABackend(StorageBackend):
         return ok
 
     def _put_direct(self, keys: list[bytes], views: list[np.ndarray], addrs: list[int]) -> list[bool]:
-        """Registered payloads: one reserve, one NIXL write straight from them, one commit."""
+        """Registered payloads: one reserve, one NIXL write straight from them, one commit.
+
+        The digests are summed on another core while the write is under way."""
         ok = [False] * len(keys)
+        digests = self._workers.ahead(checksum, views, sum(v.nbytes for v in views))
         try:
             slots = self.peer.reserve(keys, [v.nbytes for v in views])
             picked = [i for i, s in enumerate(slots) if s is not None]
@@ -256,7 +352,7 @@ class RDMABackend(StorageBackend):
                 self._transfer("WRITE", [(addrs[i], views[i].nbytes) for i in picked], [slots[i] for i in picked])
                 self._count("direct_writes")
                 self.peer.commit([keys[i] for i in picked], [slots[i] for i in picked],
-                                 [views[i].nbytes for i in picked], [checksum(views[i]) for i in picked])
+                                 [views[i].nbytes for i in picked], [digests[i]() for i in picked])
         except StorageError:  # peer gone (PeerUnavailable) or the write failed: nothing of this batch is stored
             return ok
         for i in picked:
@@ -320,13 +416,12 @@ class RDMABackend(StorageBackend):
         corrupt = []
         if direct is not None:
             try:
-                self._transfer("READ", list(zip(direct, lengths)), [entries[i][0] for i in found])
+                landed = self._read_direct(found, entries, direct, out)
             except StorageError:  # peer gone between lookup and read: all misses
                 self._stats.misses += len(found)
                 if raise_unavailable:
                     raise
                 return digests
-            landed = [(i, out[i][: entries[i][1]]) for i in found]
             self._count("direct_reads")
         else:
             landed = []
@@ -351,8 +446,8 @@ class RDMABackend(StorageBackend):
                         continue
                     results[i] = dst
                     digests[i] = entries[i][2]
-        for i, data in landed:
-            if checksum(data) != entries[i][2]:
+        for i, data, intact in landed:
+            if not intact:
                 corrupt.append(i)
             else:
                 results[i], digests[i] = data, entries[i][2]
