@@ -5,8 +5,8 @@ the CUDA device when there is one and on the CPU otherwise (reported); DRAM is
 pinned when CUDA exists; CXL binds its pages to a CPU-less NUMA node (the way
 Linux exposes a CXL Type-3 expander) and otherwise is a DRAM pool reporting
 `emulated: true`. Reads from DRAM and CXL verify the checksum, computed during the
-copy itself (`copyhash`); HBM, the tier the model reads directly, does not. A host pool spreads a large batch's copies and
-hashes over the cores (`parallel.BatchWorkers`).
+copy itself (`copyhash`); HBM, the tier the model reads directly, does not. A host
+pool spreads a large batch's copies over the cores (`parallel.BatchWorkers`).
 """
 
 from __future__ import annotations
