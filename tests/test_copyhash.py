@@ -17,8 +17,13 @@ from hypothesis import strategies as st
 from kvcluster.keys import KeySpace
 from kvcluster.storage import NVMeBackend, PFSBackend, StorageError, checksum, dram_backend
 from kvcluster.storage import copyhash
+from kvcluster.storage.aligned import PAGE, aligned_empty, aligned_host_tensor, is_aligned
+from kvcluster.storage.copyhash import copy_hash
 from kvcluster.storage.parallel import BatchWorkers
-from kvcluster.storage.rdma import _agent, progress_delay_us
+import torch
+
+from kvcluster.storage import NixlPeerPool, RDMABackend
+from kvcluster.storage.rdma import LANE_MIN_BYTES, _agent, _shares, progress_delay_us, rdma_lanes
 
 SPACE = KeySpace(model="copyhash-test")
 LENGTHS = [0, 1, 7, 31, 32, 33, 63, 64, 65, 4095, 4096, 65537, (256 << 10) + 3, 3_000_001]
@@ -107,6 +112,99 @@ def test_batch_workers_start_and_ahead_keep_order() -> None:
     assert workers.start(False, sum, [1, 2])() == 3
 
 
+def test_batch_workers_each_finishes_every_part_before_raising() -> None:
+    workers = BatchWorkers(2)
+    assert workers.each(lambda g, part: (g, sum(part)), [[1, 2], [3], [4, 5]]) == [(0, 3), (1, 3), (2, 9)]
+    assert workers.each(lambda g, part: g, []) == []
+    finished = []
+
+    def part(g: int, delay: float) -> int:
+        if g == 0:
+            raise ValueError("lane 0 failed")
+        time.sleep(delay)
+        finished.append(g)
+        return g
+
+    with pytest.raises(ValueError, match="lane 0 failed"):
+        workers.each(part, [0.0, 0.2])
+    assert finished == [1]  # the slower part was waited for: it may still have been writing the caller's buffers
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4 << 20), min_size=1, max_size=40), st.integers(1, 6))
+def test_lane_shares_cover_the_batch_in_order(lengths: list[int], lanes: int) -> None:
+    shares = _shares(lengths, lanes, LANE_MIN_BYTES)
+    assert [i for share in shares for i in share] == list(range(len(lengths)))  # consecutive, each block once
+    assert 1 <= len(shares) <= lanes
+    if len(shares) > 1:  # worth splitting, and as even as whole blocks allow
+        assert sum(lengths) >= len(shares) * LANE_MIN_BYTES
+        assert max(sum(lengths[i] for i in share) for share in shares) <= sum(lengths) / len(shares) + max(lengths)
+
+
+def test_rdma_lanes_setting(monkeypatch) -> None:
+    monkeypatch.delenv("KVCLUSTER_RDMA_LANES", raising=False)
+    assert 1 <= rdma_lanes() <= 2
+    monkeypatch.setenv("KVCLUSTER_RDMA_LANES", "3")
+    assert rdma_lanes() == 3
+    for bad in ("0", "-1", "many"):
+        monkeypatch.setenv("KVCLUSTER_RDMA_LANES", bad)
+        with pytest.raises(StorageError, match="KVCLUSTER_RDMA_LANES must be a whole number"):
+            rdma_lanes()
+
+
+def _lanes_client(name: str, n: int, block: int):
+    pool = NixlPeerPool(n, block, name=f"{name}-pool")
+    client = RDMABackend(pool, block, n, name=name, lanes=2)
+    source, landing = torch.empty((n, block), dtype=torch.uint8), torch.zeros((n, block), dtype=torch.uint8)
+    client.register(source)
+    client.register(landing)
+    return pool, client, source, landing
+
+
+def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_either_share() -> None:
+    ks, data = big_batch(6, block=1 << 20, salt="lanes")
+    pool, client, source, landing = _lanes_client("lanes-client", 6, 1 << 20)
+    assert len(client._agents) == 2 and len({a.name for a in client._agents}) == 2
+    for row, d in zip(source.numpy(), data):
+        row[:] = d
+    assert client.put_many(list(zip(ks, source.numpy()))) == [True] * 6
+    assert [e[2] for e in pool.lookup([bytes(k) for k in ks])] == [checksum(d) for d in data]  # digests line up
+    out = list(landing.numpy())
+    got = client.get_many(ks, out)
+    assert all(np.array_equal(g, d) and np.shares_memory(g, o) for g, d, o in zip(got, data, out))
+    for victim in (1, 4):  # one block in the first lane's share, one in the second's
+        pool.pool.numpy()[pool.lookup([bytes(ks[victim])])[0][0], 12345] ^= 0x04
+    again = client.get_many(ks, out)
+    assert again[1] is None and again[4] is None
+    assert all(np.array_equal(again[i], data[i]) for i in (0, 2, 3, 5))
+    assert client.contains(ks) == [True, False, True, True, False, True]  # the corrupt copies were dropped
+    assert client.stats()["extra"] == {"direct_writes": 1, "direct_reads": 2}
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> None:
+    ks, data = big_batch(4, block=1 << 20, salt=f"lane-fail-{op}")
+    pool, client, source, landing = _lanes_client(f"lane-fail-{op.lower()}", 4, 1 << 20)
+    for row, d in zip(source.numpy(), data):
+        row[:] = d
+    if op == "READ":
+        assert client.put_many(list(zip(ks, source.numpy()))) == [True] * 4
+    real = client._transfer
+
+    def second_lane_fails(what, local, slots, lane=0):
+        if lane == 1 and what == op:
+            raise StorageError(f"rdma: NIXL {what} failed (ERR)")
+        return real(what, local, slots, lane)
+
+    monkeypatch.setattr(client, "_transfer", second_lane_fails)
+    if op == "WRITE":
+        assert client.put_many(list(zip(ks, source.numpy()))) == [False] * 4
+        assert pool.lookup([bytes(k) for k in ks]) == [None] * 4 and len(pool.table) == 0  # nothing committed
+    else:
+        assert client.get_many(ks, list(landing.numpy())) == [None] * 4
+        assert client.contains(ks) == [True] * 4  # a failed read is a miss, not a reason to drop the peer's copies
+
+
 def big_batch(n: int = 4, block: int = 1 << 20, salt: str = "big"):
     """A batch above the threshold at which the file tiers share work with a second core."""
     return SPACE.chain_hash_ids(list(range(n)), cache_salt=salt), [random_bytes(block, i) for i in range(n)]
@@ -131,6 +229,65 @@ def test_nvme_pipeline_round_trips_and_catches_a_flipped_byte(tmp_path: Path) ->
     got = nvme.get_many(ks, out)
     assert got[2] is None and all(np.array_equal(got[i], data[i]) for i in (0, 1, 3))
     assert nvme.stats()["corrupt"] == 1 and nvme.contains(ks) == [True, True, False, True]
+    nvme.check_integrity()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3 << 20))
+def test_aligned_buffers_start_on_a_page(nbytes: int) -> None:
+    buf = aligned_empty(nbytes)
+    assert buf.nbytes == nbytes and buf.ctypes.data % PAGE == 0 and buf.dtype == np.uint8
+    rows = aligned_host_tensor(3, 2 * PAGE)
+    assert rows.shape == (3, 2 * PAGE) and all(is_aligned(row) for row in rows.numpy())
+    assert dram_backend(2, 2 * PAGE).pool.data_ptr() % PAGE == 0  # a pool's rows go to disk in place
+
+
+def _flip_on_disk(nvme: NVMeBackend, slot: int, offset: int) -> None:
+    with open(nvme.path, "r+b") as f:  # a second, buffered descriptor: the slab itself may be O_DIRECT
+        f.seek(slot * nvme.slot_bytes + offset)
+        byte = f.read(1)[0]
+        f.seek(slot * nvme.slot_bytes + offset)
+        f.write(bytes([byte ^ 0x10]))
+        f.flush()
+        os.fsync(f.fileno())
+    os.posix_fadvise(nvme.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_nvme_moves_aligned_blocks_in_place_and_still_verifies(tmp_path: Path, direct: bool, monkeypatch) -> None:
+    """A pool's page-aligned rows are written and read without the staging copy; corruption is still a miss."""
+    ks, data = big_batch(5, block=1 << 20, salt=f"in-place-{direct}")
+    nvme = NVMeBackend(tmp_path, 8, 1 << 20, direct=direct)
+    rows = aligned_host_tensor(5, 1 << 20).numpy()
+    for row, d in zip(rows, data):
+        row[:] = d
+    staged = []
+    real_copy = copy_hash
+
+    def counting_copy_hash(dst, src):
+        staged.append(src.nbytes)
+        return real_copy(dst, src)
+
+    monkeypatch.setattr("kvcluster.storage.nvme.copy_hash", counting_copy_hash)
+    odd = random_bytes(3000, 9)  # neither aligned nor a whole page: staged even without O_DIRECT on a pool row
+    items = list(zip(ks, rows)) + [(ks[0], rows[0])]  # ks[0] twice: stored once, both True
+    assert nvme.put_many(items + [(SPACE.chain_hash_ids([99], cache_salt="odd")[0], odd)]) == [True] * 7
+    assert staged == ([3000] if nvme.direct else [])  # buffered I/O takes any buffer in place
+    staged.clear()
+    landing = aligned_host_tensor(5, 1 << 20).numpy()
+    got = nvme.get_many(ks, list(landing))
+    assert all(np.array_equal(g, d) and np.shares_memory(g, row) for g, d, row in zip(got, data, landing))
+    fresh = nvme.get_many(ks[:2])  # no `out`: new aligned arrays, read in place too
+    assert all(is_aligned(g) and np.array_equal(g, d) for g, d in zip(fresh, data))
+    assert staged == []  # nothing went through a staging buffer
+    _flip_on_disk(nvme, nvme.table.get(ks[3]).slot, 777)
+    again = nvme.get_many(ks, list(landing))
+    assert again[3] is None and all(np.array_equal(again[i], data[i]) for i in (0, 1, 2, 4))
+    assert nvme.stats()["corrupt"] == 1 and nvme.contains(ks) == [True, True, True, False, True]
+    staged.clear()
+    unaligned = [np.empty((1 << 20) + 1, dtype=np.uint8)[1:] for _ in range(2)]  # O_DIRECT cannot land these
+    assert all(np.array_equal(g, d) for g, d in zip(nvme.get_many(ks[:2], unaligned), data))
+    assert staged == ([1 << 20] * 2 if nvme.direct else [])
     nvme.check_integrity()
 
 

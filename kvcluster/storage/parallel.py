@@ -53,6 +53,30 @@ class BatchWorkers:
         for f in futures:
             f.result()
 
+    def each(self, fn: Callable[[int, T], R], parts: Sequence[T]) -> list[R]:
+        """`fn(g, parts[g])` for every part at once: part 0 in the calling thread, the others on pool threads.
+
+        Every part finishes before this returns, even when one raises (the parts may write
+        into the caller's buffers); then the first exception, in part order, is raised.
+        """
+        if not parts:
+            return []
+        futures = [self._executor().submit(fn, g, part) for g, part in enumerate(parts) if g > 0]
+        results: list = []
+        errors: list[BaseException] = []
+        try:
+            results.append(fn(0, parts[0]))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other parts are done
+            errors.append(exc)
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
     def worth(self, nbytes: int) -> bool:
         """Whether a batch of `nbytes` is large enough to share with a pool thread."""
         return nbytes >= AHEAD_MIN_BYTES and self.workers > 1

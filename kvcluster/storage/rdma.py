@@ -17,15 +17,17 @@ import os
 import threading
 import time
 import uuid
-from typing import Protocol, Sequence
+from itertools import accumulate
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ..keys import BlockKey
+from .aligned import aligned_empty
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
 from .copyhash import copy_hash
-from .parallel import BatchWorkers
+from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
 
 
@@ -36,8 +38,10 @@ class PeerUnavailable(StorageError):
     """The pool's owner cannot be reached (its node left, its actor is restarting)."""
 
 
-PIPELINE_GROUP_BYTES = 1 << 20  # a large direct read goes in transfers of about this size, verified while the next moves
+LANE_MIN_BYTES = 1 << 20  # a lane takes at least this much of a batch: less is not worth a thread handoff (40-75 us)
+CHUNK_BYTES = 1 << 20  # a lane moves its share in transfers of about this size, each summed while in cache
 PROGRESS_DELAY_US = 100  # default pause of an agent's progress thread between idle polls
+MAX_DEFAULT_LANES = 2
 
 
 def progress_delay_us() -> int:
@@ -59,6 +63,27 @@ def progress_delay_us() -> int:
     if delay < 0:
         raise StorageError(f"KVCLUSTER_NIXL_PROGRESS_DELAY_US must be a whole number of microseconds >= 0, not {raw!r}")
     return delay
+
+
+def rdma_lanes() -> int:
+    """NIXL agents ("lanes") a client spreads one large batch over (`KVCLUSTER_RDMA_LANES`, default 2, 1 per core at most).
+
+    Why: every block read is verified, a second pass over bytes that just landed. Where the
+    transfer itself is a CPU copy (UCX over shared memory or TCP: no RDMA NIC, as here) one
+    thread doing both runs at 56-68% of the bare transfer. Each lane is an agent of its own
+    (an agent is never used by two threads at once) that moves and verifies its share of
+    the batch on its own core. 1 moves every batch over one agent in the calling thread.
+    """
+    raw = os.environ.get("KVCLUSTER_RDMA_LANES", "").strip()
+    if not raw:
+        return min(MAX_DEFAULT_LANES, default_workers())
+    try:
+        lanes = int(raw)
+    except ValueError:
+        lanes = 0
+    if lanes < 1:
+        raise StorageError(f"KVCLUSTER_RDMA_LANES must be a whole number of lanes >= 1, not {raw!r}")
+    return lanes
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
@@ -204,29 +229,52 @@ def _groups(lengths: Sequence[int], target: int) -> list[range]:
     return groups
 
 
+def _shares(lengths: Sequence[int], lanes: int, min_bytes: int) -> list[range]:
+    """Consecutive index ranges of about equal bytes, one per lane, each of at least `min_bytes` (at least one)."""
+    total = sum(lengths)
+    count = max(1, min(lanes, len(lengths), total // max(1, min_bytes)))
+    shares, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        used += n
+        if len(shares) < count - 1 and used * count >= total * (len(shares) + 1):
+            shares.append(range(start, i + 1))
+            start = i + 1
+    shares.append(range(start, len(lengths)))
+    return [share for share in shares if len(share)]
+
+
 class RDMABackend(StorageBackend):
     """A peer's pool as a tier of this node (client side)."""
 
     name = "rdma"
 
-    def __init__(self, peer: PeerControl, staging_bytes: int, slots: int, name: str | None = None) -> None:
+    def __init__(self, peer: PeerControl, staging_bytes: int, slots: int, name: str | None = None,
+                 lanes: int | None = None) -> None:
+        """`lanes`: agents a large batch is spread over (default `rdma_lanes()`); each exchanges metadata once."""
         self.peer = peer
-        self.agent = _agent(name or f"kvc-client-{uuid.uuid4().hex[:8]}")
+        lanes = rdma_lanes() if lanes is None else lanes
+        if lanes < 1:
+            raise StorageError(f"rdma: lanes must be >= 1, not {lanes}")
+        name = name or f"kvc-client-{uuid.uuid4().hex[:8]}"
+        self._agents = [_agent(name if g == 0 else f"{name}-lane{g}") for g in range(lanes)]
+        self.agent = self._agents[0]  # a batch too small to share goes over this one
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
-        self.agent.register_memory(self.staging)
+        for agent in self._agents:
+            agent.register_memory(self.staging)
         self._stage_np = self.staging.numpy()
-        meta, descs, self.slot_bytes, self.peer_name = peer.connect(self.agent.get_agent_metadata())
+        for agent in self._agents:
+            meta, descs, self.slot_bytes, self.peer_name = peer.connect(agent.get_agent_metadata())
+            agent.add_remote_agent(meta)
         if staging_bytes < self.slot_bytes:
             raise StorageError(f"rdma: a {staging_bytes}-byte staging buffer cannot hold one "
                                f"{self.slot_bytes}-byte block of {self.peer_name}")
-        self.agent.add_remote_agent(meta)
         self._remote_base = self._remote_address(descs)
         self._slots = slots
         self._regions: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor kept alive) registered here
         self.medium = "peer DRAM pool via NIXL UCX (loopback on this machine, no RDMA NIC)"
         self.emulated = True
         self._stats = BackendStats()
-        self._workers = BatchWorkers()
+        self._workers = BatchWorkers(lanes)  # lane g > 0 runs on a pool thread
 
     def register(self, region: torch.Tensor) -> None:
         """Register host memory the caller lands blocks in or sends them from (e.g. its own tier pool).
@@ -236,7 +284,8 @@ class RDMABackend(StorageBackend):
         """
         if region.device.type != "cpu" or not region.is_contiguous():
             raise StorageError("rdma: only contiguous host tensors can be registered")
-        self.agent.register_memory(region)
+        for agent in self._agents:
+            agent.register_memory(region)
         start = region.data_ptr()
         self._regions.append((start, start + region.numel() * region.element_size(), region))
 
@@ -261,59 +310,71 @@ class RDMABackend(StorageBackend):
         remote = self.agent.deserialize_descs(descs)
         return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
 
-    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int]) -> None:
-        """One NIXL transfer for the whole batch: local (address, length) <-> remote slots.
+    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int], lane: int = 0) -> None:
+        """One NIXL transfer over lane `lane`'s agent: local (address, length) <-> remote slots.
 
         Any NIXL failure (the peer process restarted or left: NIXL_ERR_REMOTE_DISCONNECT, a bad
         descriptor, a transfer in ERR, no answer in 30 s) is a StorageError: the caller's misses."""
+        agent = self._agents[lane]
         try:
-            local_descs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
-            remote_descs = self.agent.get_xfer_descs(
+            local_descs = agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
+            remote_descs = agent.get_xfer_descs(
                 [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
-            handle = self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
+            handle = agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
         except Exception as exc:  # noqa: BLE001 - NIXL's errors share no base class we could name
             raise StorageError(f"rdma: NIXL {op} could not start: {type(exc).__name__}: {exc}") from None
         try:
-            state = self.agent.transfer(handle)
+            state = agent.transfer(handle)
             deadline = time.monotonic() + 30
             while state != "DONE":
                 if state == "ERR" or time.monotonic() > deadline:
                     raise StorageError(f"rdma: NIXL {op} failed ({state})")
-                state = self.agent.check_xfer_state(handle)
+                state = agent.check_xfer_state(handle)
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise StorageError(f"rdma: NIXL {op} failed: {type(exc).__name__}: {exc}") from None
         finally:
             try:
-                self.agent.release_xfer_handle(handle)
+                agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - a handle of a vanished peer may not release cleanly
                 pass
 
-    def _read_direct(self, found: list[int], entries: list, addrs: list[int],
-                     out: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray, bool]]:
-        """Blocks read straight into registered `out` buffers: (index, data, checksum matches) per block.
+    def _read_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
+                    verify: Callable[[int], bool]) -> list[bool]:
+        """Blocks k = 0.. read from the peer's `slots[k]` to local addresses `local[k]`; `verify(k)` per block.
 
-        A large batch goes in a few transfers, each group's checksums verified on another core
-        while the next group is on the wire. A failed transfer raises StorageError once the
-        checks in flight are over (they read `out`, which the caller may reuse)."""
-        lengths = [entries[i][1] for i in found]
-        background = self._workers.worth(sum(lengths))
-        checks = []
+        The batch is shared among the lanes, each on its own core; a lane reads its share in
+        transfers of about CHUNK_BYTES and verifies each as it lands, while it is still in cache.
+        A failed transfer raises StorageError once every lane is over (they write buffers the
+        caller may reuse)."""
+        def lane(g: int, share: range) -> list[bool]:
+            intact = []
+            for chunk in _groups([lengths[k] for k in share], CHUNK_BYTES):
+                part = [share[c] for c in chunk]
+                self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+                intact += [verify(k) for k in part]
+            return intact
 
-        def verify(part: range) -> list[tuple[int, np.ndarray, bool]]:
-            landed = [(found[k], out[found[k]][: lengths[k]]) for k in part]
-            return [(i, data, checksum(data) == entries[i][2]) for i, data in landed]
+        shares = _shares(lengths, len(self._agents), LANE_MIN_BYTES)
+        return [good for lane_results in self._workers.each(lane, shares) for good in lane_results]
 
-        for part in _groups(lengths, PIPELINE_GROUP_BYTES if background else sum(lengths)):
-            try:
-                self._transfer("READ", [(addrs[k], lengths[k]) for k in part], [entries[found[k]][0] for k in part])
-            except StorageError:
-                for check in checks:
-                    check()
-                raise
-            checks.append(self._workers.start(background, verify, part))
-        return [landed for check in checks for landed in check()]
+    def _write_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
+                     digest: Callable[[int], int]) -> list[int]:
+        """Blocks k = 0.. written from local addresses `local[k]` to the peer's `slots[k]`; their digests.
+
+        Shared among the lanes like reads; `digest(k)` runs just before its chunk's write (a sum,
+        or the staging copy that sums), which leaves the bytes in cache for the write."""
+        def lane(g: int, share: range) -> list[int]:
+            digests = []
+            for chunk in _groups([lengths[k] for k in share], CHUNK_BYTES):
+                part = [share[c] for c in chunk]
+                digests += [digest(k) for k in part]
+                self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+            return digests
+
+        shares = _shares(lengths, len(self._agents), LANE_MIN_BYTES)
+        return [d for lane_digests in self._workers.each(lane, shares) for d in lane_digests]
 
     def _batches(self, lengths: Sequence[int]):
         """Split a batch so each part fits in the staging buffer."""
@@ -326,62 +387,49 @@ class RDMABackend(StorageBackend):
         if start < len(lengths):
             yield start, len(lengths)
 
+    def _staged(self, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Staging offsets of consecutive blocks (one part of `_batches`) and their registered addresses."""
+        offsets = [0, *accumulate(lengths[:-1])] if lengths else []
+        base = self.staging.data_ptr()
+        return offsets, [base + off for off in offsets]
+
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+        """One reserve, the NIXL writes, one commit per part of the batch; nothing uncommitted is ever read.
+
+        Payloads inside registered memory go straight from there in one part; others are copied
+        into the staging buffer (summed in the copy), as many parts as it takes."""
         views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for _, d in items]
         keys = [bytes(k) for k, _ in items]
-        direct = self._registered(views, [v.nbytes for v in views])
-        if direct is not None:
-            ok = self._put_direct(keys, views, direct)
-        else:
-            ok = self._put_staged(keys, views)
-        self._stats.puts += sum(ok)
-        self._stats.put_failures += len(ok) - sum(ok)
-        self._stats.put_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
-        return ok
-
-    def _put_direct(self, keys: list[bytes], views: list[np.ndarray], addrs: list[int]) -> list[bool]:
-        """Registered payloads: one reserve, one NIXL write straight from them, one commit.
-
-        The digests are summed on another core while the write is under way."""
+        lengths = [v.nbytes for v in views]
+        direct = self._registered(views, lengths)
         ok = [False] * len(keys)
-        digests = self._workers.ahead(checksum, views, sum(v.nbytes for v in views))
-        try:
-            slots = self.peer.reserve(keys, [v.nbytes for v in views])
-            picked = [i for i, s in enumerate(slots) if s is not None]
-            if picked:
-                self._transfer("WRITE", [(addrs[i], views[i].nbytes) for i in picked], [slots[i] for i in picked])
-                self._count("direct_writes")
-                self.peer.commit([keys[i] for i in picked], [slots[i] for i in picked],
-                                 [views[i].nbytes for i in picked], [digests[i]() for i in picked])
-        except StorageError:  # peer gone (PeerUnavailable) or the write failed: nothing of this batch is stored
-            return ok
-        for i in picked:
-            ok[i] = True
-        return ok
-
-    def _put_staged(self, keys: list[bytes], views: list[np.ndarray]) -> list[bool]:
-        ok = [False] * len(keys)
-        base = self.staging.data_ptr()
-        for lo, hi in self._batches([v.nbytes for v in views]):
+        for lo, hi in [(0, len(keys))] if direct is not None else self._batches(lengths):
             try:
-                slots = self.peer.reserve(keys[lo:hi], [v.nbytes for v in views[lo:hi]])
+                slots = self.peer.reserve(keys[lo:hi], lengths[lo:hi])
             except PeerUnavailable:
                 break
-            picked = [i for i, s in zip(range(lo, hi), slots) if s is not None]
-            local, digests, off = [], [], 0
-            for i in picked:
-                digests.append(copy_hash(self._stage_np[off : off + views[i].nbytes], views[i]))
-                local.append((base + off, views[i].nbytes))
-                off += views[i].nbytes
-            if picked:
-                try:
-                    self._transfer("WRITE", local, [slots[i - lo] for i in picked])
-                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
-                                     [views[i].nbytes for i in picked], digests)
-                except StorageError:  # peer gone mid-batch: these blocks are not stored (uncommitted slots are never read)
-                    break
+            picked = [i for i, slot in zip(range(lo, hi), slots) if slot is not None]
+            sizes = [lengths[i] for i in picked]
+            offsets, local = self._staged(sizes) if direct is None else ([], [direct[i] for i in picked])
+
+            def digest(k: int) -> int:  # staged: the copy into the staging buffer sums on the way
+                if direct is not None:
+                    return checksum(views[picked[k]])
+                return copy_hash(self._stage_np[offsets[k] : offsets[k] + sizes[k]], views[picked[k]])
+
+            try:
+                if picked:
+                    digests = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest)
+                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked], sizes, digests)
+            except StorageError:  # peer gone or a write failed: these blocks are not stored (uncommitted slots are never read)
+                break
             for i in picked:
                 ok[i] = True
+            if direct is not None and picked:
+                self._count("direct_writes")
+        self._stats.puts += sum(ok)
+        self._stats.put_failures += len(ok) - sum(ok)
+        self._stats.put_bytes += sum(n for n, good in zip(lengths, ok) if good)
         return ok
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
@@ -393,8 +441,8 @@ class RDMABackend(StorageBackend):
                   results: list[np.ndarray | None], raise_unavailable: bool = False) -> list[int | None]:
         """Read blocks into `out` (or new arrays); `results[i]` gets the block, the return its verified checksum.
 
-        When every `out` buffer lies in registered memory the peer's bytes land there directly (one NIXL
-        read, checksums verified in place); otherwise they pass through the staging buffer.
+        When every `out` buffer lies in registered memory the peer's bytes land there directly (checksums
+        verified in place); otherwise they pass through the staging buffer (verified in the copy out).
         None: missing at the peer, unreachable, or corrupt (then dropped at the peer too).
         `raise_unavailable`: an unreachable peer or a failed transfer raises (PeerUnavailable /
         StorageError) instead of reading as all misses, for callers that tell a fault from a miss.
@@ -414,43 +462,30 @@ class RDMABackend(StorageBackend):
         lengths = [entries[i][1] for i in found]
         direct = None if out is None else self._registered([out[i] for i in found], lengths)
         corrupt = []
-        if direct is not None:
+        for lo, hi in [(0, len(found))] if direct is not None else self._batches(lengths):
+            part, sizes = found[lo:hi], lengths[lo:hi]
+            landing = [out[i][:n] if out is not None else aligned_empty(n) for i, n in zip(part, sizes)]
+            offsets, local = self._staged(sizes) if direct is None else ([], direct[lo:hi])
+
+            def verify(k: int) -> bool:  # staged: the copy out of the staging buffer sums on the way
+                if direct is not None:
+                    return checksum(landing[k]) == entries[part[k]][2]
+                return copy_hash(landing[k], self._stage_np[offsets[k] : offsets[k] + sizes[k]]) == entries[part[k]][2]
+
             try:
-                landed = self._read_direct(found, entries, direct, out)
-            except StorageError:  # peer gone between lookup and read: all misses
-                self._stats.misses += len(found)
+                intact = self._read_lanes(sizes, local, [entries[i][0] for i in part], verify)
+            except StorageError:  # peer gone between lookup and read: the rest are misses
+                self._stats.misses += len(found) - lo
                 if raise_unavailable:
                     raise
-                return digests
-            self._count("direct_reads")
-        else:
-            landed = []
-            base = self.staging.data_ptr()
-            for lo, hi in self._batches(lengths):
-                part = found[lo:hi]
-                local, off = [], 0
-                for i in part:
-                    local.append((base + off, entries[i][1]))
-                    off += entries[i][1]
-                try:
-                    self._transfer("READ", local, [entries[i][0] for i in part])
-                except StorageError:  # peer gone between lookup and read: the rest are misses
-                    self._stats.misses += len(found) - lo
-                    if raise_unavailable:
-                        raise
-                    break
-                for i, (addr, n) in zip(part, local):
-                    dst = out[i][:n] if out is not None else np.empty(n, dtype=np.uint8)
-                    if copy_hash(dst, self._stage_np[addr - base : addr - base + n]) != entries[i][2]:
-                        corrupt.append(i)  # what landed in `out[i]` is not handed out: a miss
-                        continue
-                    results[i] = dst
-                    digests[i] = entries[i][2]
-        for i, data, intact in landed:
-            if not intact:
-                corrupt.append(i)
-            else:
-                results[i], digests[i] = data, entries[i][2]
+                break
+            for i, data, good in zip(part, landing, intact):
+                if good:
+                    results[i], digests[i] = data, entries[i][2]
+                else:
+                    corrupt.append(i)  # what landed in `out[i]` is not handed out: a miss
+            if direct is not None:
+                self._count("direct_reads")
         good = [i for i in found if digests[i] is not None]
         self._stats.gets += len(good)
         self._stats.get_bytes += sum(entries[i][1] for i in good)
