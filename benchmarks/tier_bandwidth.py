@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, cxl_backend, dram_backend, hbm_backend
+from kvcluster.storage.aligned import aligned_host_tensor
 
 MAX_BLOCK = 2 << 20  # one 16-token block of Llama-3.1-8B in bf16: 32 layers x 2 x 8 heads x 16 x 128 x 2 B
 BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -59,23 +59,19 @@ def ref_copy(blocks: list[np.ndarray], out: list[np.ndarray]):
     return put, put
 
 
-def ref_posix(directory: Path, blocks: list[np.ndarray], direct: bool):
-    """Raw pwrite/preadv with the same open flags the backend got (O_DIRECT needs aligned buffers)."""
+def ref_posix(directory: Path, blocks: list[np.ndarray], out: list[np.ndarray], direct: bool):
+    """Raw pwrite/preadv with the same open flags the backend got, from and into the same page-aligned rows."""
     path = directory / "reference.bin"
     flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
-    bufs = [mmap.mmap(-1, BLOCK) for _ in blocks]
-    for buf, b in zip(bufs, blocks):
-        buf[:] = b.tobytes()
-    blocks = bufs
 
     def put():
         for i, b in enumerate(blocks):
             os.pwrite(fd, b, i * BLOCK)
 
     def get():
-        for i, buf in enumerate(bufs):
-            os.preadv(fd, [buf], i * BLOCK)
+        for i, o in enumerate(out):
+            os.preadv(fd, [o], i * BLOCK)
     return put, get
 
 
@@ -152,8 +148,9 @@ def main() -> int:
     for nbytes in batches:
         BLOCK = min(nbytes, MAX_BLOCK)
         n = nbytes // BLOCK
-        # payloads and landing buffers are rows of two host tensors: what a tier pool hands the rdma backend
-        source, landing = torch.empty((n, BLOCK), dtype=torch.uint8), torch.empty((n, BLOCK), dtype=torch.uint8)
+        # payloads and landing buffers are rows of two page-aligned host tensors: what a tier pool (dram, cxl)
+        # hands the backend below it, which rdma moves without staging and nvme writes in place
+        source, landing = aligned_host_tensor(n, BLOCK), aligned_host_tensor(n, BLOCK)
         for i, row in enumerate(source.numpy()):
             row[:] = np.random.default_rng(i).integers(0, 255, BLOCK, dtype=np.uint8)
         blocks, out = list(source.numpy()), list(landing.numpy())
@@ -171,7 +168,7 @@ def main() -> int:
 
         def nvme_case():
             nvme = NVMeBackend(sub / "nvme", slots, BLOCK)
-            return nvme, ref_posix(sub, blocks, nvme.direct)
+            return nvme, ref_posix(sub, blocks, out, nvme.direct)
 
         factories = {
             "hbm": lambda: (hbm_backend(slots, BLOCK), ref_copy(blocks, out)),

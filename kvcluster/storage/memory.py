@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..keys import BlockKey
+from .aligned import aligned_empty, aligned_host_tensor
 from .base import BackendStats, Payload, SlottedBackend, StorageError
 from .copyhash import copy_hash
 from .numa import bind_to_node, cpuless_numa_nodes
@@ -33,7 +34,10 @@ class MemoryPoolBackend(SlottedBackend):
         self.name, self.medium, self.emulated = name, medium or f"{device} memory", emulated
         self.slot_bytes, self.verify, self.device = slot_bytes, verify, device
         try:
-            self.pool = torch.empty((slots, slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+            if device == "cpu":  # page-aligned rows: the NVMe tier writes a demoted block straight from its slot
+                self.pool = aligned_host_tensor(slots, slot_bytes, pin=pin)
+            else:
+                self.pool = torch.empty((slots, slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
         except (RuntimeError, ValueError) as exc:
             raise StorageError(f"{name}: cannot allocate {slots} x {slot_bytes} bytes on {device}: {exc}") from None
         self._host = self.pool.numpy() if device == "cpu" else None
@@ -93,7 +97,7 @@ class MemoryPoolBackend(SlottedBackend):
                 return
             src = self._host[entry.slot, : entry.length] if self._host is not None else \
                 self.pool[entry.slot, : entry.length].cpu().numpy()
-            dst = out[i][: entry.length] if out is not None else np.empty(entry.length, dtype=np.uint8)
+            dst = out[i][: entry.length] if out is not None else aligned_empty(entry.length)
             results[i] = dst
             if self.verify:
                 intact[i] = copy_hash(dst, src) == entry.checksum

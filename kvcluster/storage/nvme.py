@@ -4,9 +4,12 @@ I/O path, best first, and reported in `medium`:
 - KvikIO (GPUDirect Storage, or its compat mode) when a CUDA driver exists;
 - POSIX with O_DIRECT (page-cache bypass, aligned buffers) where the filesystem allows;
 - buffered POSIX `os.pwrite` / `os.preadv` otherwise (tmpfs, overlayfs).
-Bytes pass through two aligned staging buffers: while one block is on its way to
-or from the disk, another core copies the previous one (checksum summed in the
-copy), so a batch costs about its I/O time, not I/O plus copies.
+Page-aligned buffers (tier pools' rows, blocks this package's reads return: see
+`aligned`) go to and from the disk in place, their checksums summed on another
+core meanwhile. Other buffers pass through two aligned staging buffers: while
+one block is on its way to or from the disk, another core copies the previous
+one (checksum summed in the copy), so a batch costs about its I/O time, not I/O
+plus copies.
 The slot index lives in memory: the tier is a cache, a restart starts it empty.
 """
 
@@ -22,7 +25,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..keys import BlockKey
-from .base import BackendStats, Payload, SlottedBackend, StorageError
+from .aligned import aligned_empty, is_aligned
+from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
 from .copyhash import copy_hash
 from .parallel import BatchWorkers
 from .slab import SlotTable
@@ -86,12 +90,48 @@ class NVMeBackend(SlottedBackend):
         except Exception:  # noqa: BLE001 - any kvikio failure means: use POSIX
             return None
 
+    def _in_place(self, view: np.ndarray) -> bool:
+        """Whether the disk can take this buffer as it is (aligned for O_DIRECT, or no O_DIRECT at all)."""
+        return self.kvikio is not None or not self.direct or is_aligned(view)
+
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
-        """Each payload is copied into a staging buffer (summed on the way) while the previous one is written."""
+        """Aligned payloads (a tier pool's rows) are written in place, their digests summed on another
+        core meanwhile; others are copied into a staging buffer (summed on the way) while the previous
+        one is written. A key given twice in a batch stores its last payload."""
         ok = [False] * len(items)
         views = [np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) for _, data in items]
-        order = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes]
-        self._stats.put_failures += len(items) - len(order)
+        last = {key: i for i, (key, _) in enumerate(items)}
+        fits = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes and last[items[i][0]] == i]
+        self._stats.put_failures += sum(view.nbytes > self.slot_bytes for view in views)
+        in_place = [i for i in fits if self._in_place(views[i])]
+        self._put_in_place(items, views, in_place, ok)
+        self._put_staged(items, views, [i for i in fits if not self._in_place(views[i])], ok)
+        for i, (key, _) in enumerate(items):
+            if last[key] != i and ok[last[key]]:
+                ok[i] = True  # superseded by the same key later in this batch
+        return ok
+
+    def _store(self, key: BlockKey, buffer, nbytes: int, write_bytes: int, digest: Callable[[], int]) -> bool:
+        """One block to a free slot: written, then committed with its digest; a failed write leaves a miss."""
+        slot = self.table.allocate(key)
+        if slot is None or self._write(buffer, write_bytes, slot * self.slot_bytes) != write_bytes:
+            if slot is not None:
+                self.table.abandon(slot)
+                self.table.release(key)
+            self._stats.put_failures += 1
+            digest()  # a summing thread must be done with the buffer before the caller gets it back
+            return False
+        self.table.commit(key, slot, nbytes, digest())
+        self._stats.puts += 1
+        self._stats.put_bytes += nbytes
+        return True
+
+    def _put_in_place(self, items, views: list[np.ndarray], order: list[int], ok: list[bool]) -> None:
+        digests = self._workers.ahead(checksum, [views[i] for i in order], sum(views[i].nbytes for i in order))
+        for i, digest in zip(order, digests):
+            ok[i] = self._store(items[i][0], views[i], views[i].nbytes, views[i].nbytes, digest)
+
+    def _put_staged(self, items, views: list[np.ndarray], order: list[int], ok: list[bool]) -> None:
         background = self._workers.worth(sum(views[i].nbytes for i in order))
         fills: dict[int, Callable[[], int]] = {}
 
@@ -102,73 +142,76 @@ class NVMeBackend(SlottedBackend):
         fill(0)
         for j, i in enumerate(order):
             fill(j + 1)
-            digest = fills.pop(j)()
-            key = items[i][0]
-            slot = self.table.allocate(key)
-            if slot is None or self._write(self._stages[j % 2], slot * self.slot_bytes) != self.slot_bytes:
-                if slot is not None:
-                    self.table.abandon(slot)
-                    self.table.release(key)
-                self._stats.put_failures += 1
-                continue
-            self.table.commit(key, slot, views[i].nbytes, digest)
-            self._stats.puts += 1
-            self._stats.put_bytes += views[i].nbytes
-            ok[i] = True
-        return ok
+            ok[i] = self._store(items[i][0], self._stages[j % 2], views[i].nbytes, self.slot_bytes, fills.pop(j))
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
-        """Each block is read into a staging buffer while the previous one is copied out and verified."""
+        """Blocks land in place when their buffer is aligned (`out`'s, or a new aligned array), each verified
+        on another core while the next is read; otherwise through a staging buffer, copied out and verified
+        while the next one is read."""
         entries = [self.table.get(key) for key in keys]
         present = [i for i, entry in enumerate(entries) if entry is not None]
         self._stats.misses += len(keys) - len(present)
         results: list[np.ndarray | None] = [None] * len(keys)
-        background = self._workers.worth(sum(entries[i].length for i in present))
-        checks: dict[int, Callable[[], bool]] = {}
-
-        def check(stage: int, i: int) -> bool:
-            entry = entries[i]
-            dst = out[i][: entry.length] if out is not None else np.empty(entry.length, dtype=np.uint8)
-            results[i] = dst
-            return copy_hash(dst, self._stage_views[stage][: entry.length]) == entry.checksum
-
-        def settle(j: int) -> None:
-            i = present[j]
-            if checks.pop(j)():
+        for i in present:
+            results[i] = out[i][: entries[i].length] if out is not None else aligned_empty(entries[i].length)
+        in_place = [i for i in present if self._in_place(results[i])]
+        staged = [i for i in present if not self._in_place(results[i])]
+        outcomes = self._get_in_place(entries, results, in_place) + self._get_staged(entries, results, staged)
+        for i, intact in outcomes:
+            if intact:
                 self._stats.gets += 1
                 self._stats.get_bytes += entries[i].length
-            else:  # what landed in `out[i]` is not handed out: a miss
+            else:  # unreadable, or what landed in `out[i]` does not match: not handed out, a miss
                 results[i] = None
                 self._stats.corrupt += 1
                 self.table.release(keys[i])
-
-        for j, i in enumerate(present):
-            if j - 2 in checks:
-                settle(j - 2)  # its stage is needed again
-            if self._read(self._stages[j % 2], entries[i].slot * self.slot_bytes) != self.slot_bytes:
-                self._stats.corrupt += 1
-                self.table.release(keys[i])
-                continue
-            checks[j] = self._workers.start(background, check, j % 2, i)
-        for j in sorted(checks):
-            settle(j)
         return results
 
-    def _write(self, stage: mmap.mmap, offset: int) -> int:
-        """Bytes written from a whole staging buffer, or -1 on an I/O error."""
+    def _get_in_place(self, entries, results, order: list[int]) -> list[tuple[int, bool]]:
+        background = self._workers.worth(sum(entries[i].length for i in order))
+        checks = []
+        for i in order:
+            entry = entries[i]
+            if self._read(results[i], entry.length, entry.slot * self.slot_bytes) != entry.length:
+                checks.append((i, lambda: False))
+                continue
+            checks.append((i, self._workers.start(background, lambda data=results[i], digest=entry.checksum:
+                                                   checksum(data) == digest)))
+        return [(i, check()) for i, check in checks]
+
+    def _get_staged(self, entries, results, order: list[int]) -> list[tuple[int, bool]]:
+        background = self._workers.worth(sum(entries[i].length for i in order))
+        checks: dict[int, Callable[[], bool]] = {}
+        outcomes = []
+
+        def check(stage: int, i: int) -> bool:
+            return copy_hash(results[i], self._stage_views[stage][: entries[i].length]) == entries[i].checksum
+
+        for j, i in enumerate(order):
+            if j - 2 in checks:
+                outcomes.append((order[j - 2], checks.pop(j - 2)()))  # its stage is needed again
+            if self._read(self._stages[j % 2], self.slot_bytes, entries[i].slot * self.slot_bytes) != self.slot_bytes:
+                outcomes.append((i, False))
+                continue
+            checks[j] = self._workers.start(background, check, j % 2, i)
+        outcomes += [(order[j], checks[j]()) for j in sorted(checks)]
+        return outcomes
+
+    def _write(self, buffer, nbytes: int, offset: int) -> int:
+        """Bytes written from the first `nbytes` of `buffer`, or -1 on an I/O error."""
         try:
             if self.kvikio is not None:
-                return self.kvikio.pwrite(np.frombuffer(stage, dtype=np.uint8), self.slot_bytes, offset).get()
-            return os.pwrite(self.fd, stage, offset)
+                return self.kvikio.pwrite(np.frombuffer(buffer, dtype=np.uint8), nbytes, offset).get()
+            return os.pwrite(self.fd, memoryview(buffer)[:nbytes], offset)
         except (OSError, RuntimeError):  # RuntimeError: KvikIO's own I/O errors
             return -1
 
-    def _read(self, stage: mmap.mmap, offset: int) -> int:
-        """Bytes read into a whole staging buffer, or -1 on an I/O error."""
+    def _read(self, buffer, nbytes: int, offset: int) -> int:
+        """Bytes read into the first `nbytes` of `buffer`, or -1 on an I/O error."""
         try:
             if self.kvikio is not None:
-                return self.kvikio.pread(np.frombuffer(stage, dtype=np.uint8), self.slot_bytes, offset).get()
-            return os.preadv(self.fd, [stage], offset)
+                return self.kvikio.pread(np.frombuffer(buffer, dtype=np.uint8), nbytes, offset).get()
+            return os.preadv(self.fd, [memoryview(buffer)[:nbytes]], offset)
         except (OSError, RuntimeError):  # RuntimeError: KvikIO's own I/O errors
             return -1
 

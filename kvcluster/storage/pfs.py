@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..keys import KEY_BYTES, BlockKey
+from .aligned import aligned_empty
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
 from .copyhash import pread_hash
 from .parallel import BatchWorkers
@@ -161,7 +162,7 @@ class PFSBackend(StorageBackend):
             magic, version, stored_length, digest = HEADER.unpack(header)
             if (magic, version, stored_length) != (MAGIC, VERSION, length):
                 return None
-            dst = out[:length] if out is not None else np.empty(length, dtype=np.uint8)
+            dst = out[:length] if out is not None else aligned_empty(length)
             got, landed = pread_hash(fd, dst, HEADER.size)
         except OSError:
             return None
