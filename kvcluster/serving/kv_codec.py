@@ -14,6 +14,7 @@ carries the true token count (`cumulative_length`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -183,8 +184,17 @@ class KVCodec:
         return self._staging[:need].view(shape)
 
     def _typed(self, payload: np.ndarray) -> torch.Tensor:
-        """A payload's bytes as the block's typed tensor (no copy)."""
-        raw = torch.from_numpy(np.asarray(payload, dtype=np.uint8)[: self.block_bytes])
+        """A payload's bytes as the block's typed tensor (no copy).
+
+        Payloads from the Ray object store are read-only views; the tensor is only ever read, so
+        torch's warning about non-writable arrays does not apply and is kept out of the logs."""
+        data = np.asarray(payload, dtype=np.uint8)[: self.block_bytes]
+        if data.flags.writeable:
+            raw = torch.from_numpy(data)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                raw = torch.from_numpy(data)
         return raw.view(self.dtype).view(self.block_shape)
 
     @staticmethod
