@@ -372,11 +372,11 @@ class NixlPair:
     """Two in-process NIXL UCX agents: `local` memory (VRAM on a GPU) and a pinned DRAM `remote`."""
 
     def __init__(self, local: torch.Tensor, remote: torch.Tensor, block: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvcluster.storage.rdma import _agent  # agents as the backends make them (sleeping progress thread)
 
         tag = f"{os.getpid()}-{time.monotonic_ns()}"
-        self.a = nixl_agent(f"gpu-check-a-{tag}", nixl_agent_config(backends=["UCX"]))
-        self.b = nixl_agent(f"gpu-check-b-{tag}", nixl_agent_config(backends=["UCX"]))
+        self.a = _agent(f"gpu-check-a-{tag}")
+        self.b = _agent(f"gpu-check-b-{tag}")
         self.peer, self.local, self.remote = f"gpu-check-b-{tag}", local, remote
         self.a.register_memory(local)
         self.b.register_memory(remote)
