@@ -181,6 +181,33 @@ def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_either_share() -
     assert client.stats()["extra"] == {"direct_writes": 1, "direct_reads": 2}
 
 
+def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
+    """Buffers outside registered memory go through the staging buffer, part by part, each part over both lanes."""
+    ks, data = big_batch(6, block=1 << 20, salt="lanes-staged")
+    pool = NixlPeerPool(8, 1 << 20, name="lanes-staged-pool")
+    client = RDMABackend(pool, 4 << 20, 8, name="lanes-staged", lanes=2)  # 4 blocks per staging part
+    used = []
+    real = client._transfer
+
+    def recording(op, local, slots, lane=0):
+        used.append((op, lane, len(local)))
+        return real(op, local, slots, lane)
+
+    monkeypatch.setattr(client, "_transfer", recording)
+    assert client.put_many(list(zip(ks, data))) == [True] * 6
+    assert {lane for op, lane, _ in used if op == "WRITE"} == {0, 1}
+    assert sum(n for op, _, n in used if op == "WRITE") == 6
+    out = [np.empty(1 << 20, dtype=np.uint8) for _ in ks]
+    got = client.get_many(ks, out)
+    assert all(np.array_equal(g, d) and np.shares_memory(g, o) for g, d, o in zip(got, data, out))
+    assert {lane for op, lane, _ in used if op == "READ"} == {0, 1}
+    assert "direct_reads" not in client.stats()["extra"]  # staged, not straight into `out`
+    pool.pool.numpy()[pool.lookup([bytes(ks[5])])[0][0], 4321] ^= 0x01  # in the second staging part
+    again = client.get_many(ks)
+    assert again[5] is None and all(np.array_equal(again[i], data[i]) for i in range(5))
+    assert all(is_aligned(a) for a in again[:5])  # new arrays from a read are page-aligned
+
+
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> None:
     ks, data = big_batch(4, block=1 << 20, salt=f"lane-fail-{op}")
