@@ -164,7 +164,7 @@ def _lanes_client(name: str, n: int, block: int):
 def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_either_share() -> None:
     ks, data = big_batch(6, block=1 << 20, salt="lanes")
     pool, client, source, landing = _lanes_client("lanes-client", 6, 1 << 20)
-    assert len(client._agents) == 2 and len({a.name for a in client._agents}) == 2
+    assert client.stats()["lanes"] == 2 and len({a.name for a in client._agents}) == 2
     for row, d in zip(source.numpy(), data):
         row[:] = d
     assert client.put_many(list(zip(ks, source.numpy()))) == [True] * 6

@@ -518,7 +518,7 @@ class RDMABackend(StorageBackend):
 
     def stats(self) -> dict:
         return {"name": self.name, "medium": self.medium, "emulated": self.emulated, "peer": self.peer_name,
-                "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
+                "lanes": len(self._agents), "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
 
     def check_integrity(self) -> None:
         assert self.staging.numel() > 0 and self._remote_base > 0
