@@ -315,6 +315,9 @@ def test_nvme_moves_aligned_blocks_in_place_and_still_verifies(tmp_path: Path, d
     unaligned = [np.empty((1 << 20) + 1, dtype=np.uint8)[1:] for _ in range(2)]  # O_DIRECT cannot land these
     assert all(np.array_equal(g, d) for g, d in zip(nvme.get_many(ks[:2], unaligned), data))
     assert staged == ([1 << 20] * 2 if nvme.direct else [])
+    with pytest.raises(ValueError, match=r"nvme: out\[0\] holds 4096 bytes"):  # too small: an error, not a miss
+        nvme.get_many(ks[:1], [aligned_empty(4096)])
+    assert nvme.contains(ks[:1]) == [True]  # and the block is still there
     nvme.check_integrity()
 
 

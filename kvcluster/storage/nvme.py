@@ -103,9 +103,9 @@ class NVMeBackend(SlottedBackend):
         last = {key: i for i, (key, _) in enumerate(items)}
         fits = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes and last[items[i][0]] == i]
         self._stats.put_failures += sum(view.nbytes > self.slot_bytes for view in views)
-        in_place = [i for i in fits if self._in_place(views[i])]
-        self._put_in_place(items, views, in_place, ok)
-        self._put_staged(items, views, [i for i in fits if not self._in_place(views[i])], ok)
+        direct = {i: self._in_place(views[i]) for i in fits}
+        self._put_in_place(items, views, [i for i in fits if direct[i]], ok)
+        self._put_staged(items, views, [i for i in fits if not direct[i]], ok)
         for i, (key, _) in enumerate(items):
             if last[key] != i and ok[last[key]]:
                 ok[i] = True  # superseded by the same key later in this batch
@@ -151,12 +151,16 @@ class NVMeBackend(SlottedBackend):
         entries = [self.table.get(key) for key in keys]
         present = [i for i, entry in enumerate(entries) if entry is not None]
         self._stats.misses += len(keys) - len(present)
+        short = [i for i in present if out is not None and out[i].nbytes < entries[i].length]
+        if short:  # the caller's mistake, not the block's: raise before anything is read or dropped
+            i = short[0]
+            raise ValueError(f"nvme: out[{i}] holds {out[i].nbytes} bytes, its block has {entries[i].length}")
         results: list[np.ndarray | None] = [None] * len(keys)
         for i in present:
             results[i] = out[i][: entries[i].length] if out is not None else aligned_empty(entries[i].length)
-        in_place = [i for i in present if self._in_place(results[i])]
-        staged = [i for i in present if not self._in_place(results[i])]
-        outcomes = self._get_in_place(entries, results, in_place) + self._get_staged(entries, results, staged)
+        direct = {i: self._in_place(results[i]) for i in present}
+        outcomes = (self._get_in_place(entries, results, [i for i in present if direct[i]])
+                    + self._get_staged(entries, results, [i for i in present if not direct[i]]))
         for i, intact in outcomes:
             if intact:
                 self._stats.gets += 1
