@@ -208,6 +208,43 @@ def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
     assert all(is_aligned(a) for a in again[:5])  # new arrays from a read are page-aligned
 
 
+def test_closed_backends_give_up_their_agents_and_read_as_misses() -> None:
+    """Agents go before the memory they registered (closed at exit too), and a closed client only misses."""
+    from kvcluster.storage import rdma
+
+    ks, data = big_batch(2, block=1 << 16, salt="closed")
+    pool = NixlPeerPool(4, 1 << 16, name="closed-pool")
+    client = RDMABackend(pool, 1 << 17, 4, name="closed-client", lanes=2)
+    assert client.put_many(list(zip(ks, data))) == [True, True]
+    assert client in rdma._OPEN and pool in rdma._OPEN
+    client.close()
+    client.close()  # idempotent
+    assert client not in rdma._OPEN and client.get_many(ks) == [None, None]
+    assert client.put_many(list(zip(ks, data))) == [False, False]
+    pool.close()
+    assert pool not in rdma._OPEN and pool.agent is None
+
+
+def test_exit_with_live_agents_is_clean(tmp_path: Path) -> None:
+    """A process that ends with clients, pools and registered memory alive exits 0 (agents torn down first)."""
+    script = tmp_path / "live_at_exit.py"
+    script.write_text(
+        "import numpy as np, torch\n"
+        "from kvcluster.keys import KeySpace\n"
+        "from kvcluster.storage import NixlPeerPool, RDMABackend\n"
+        "ks = KeySpace(model='exit').chain_hash_ids([0, 1, 2, 3])\n"
+        "pool = NixlPeerPool(8, 1 << 20, name='exit-pool')\n"
+        "client = RDMABackend(pool, 4 << 20, 8, name='exit-client', lanes=2)\n"
+        "rows = torch.zeros((4, 1 << 20), dtype=torch.uint8)\n"
+        "client.register(rows)\n"
+        "assert all(client.put_many([(k, r) for k, r in zip(ks, rows.numpy())]))\n"
+        "cycle = {'client': client}; cycle['self'] = cycle  # only the final collection would find these\n"
+        "print('done')\n")
+    for _ in range(3):
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "done" in run.stdout, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> None:
     ks, data = big_batch(4, block=1 << 20, salt=f"lane-fail-{op}")

@@ -12,11 +12,13 @@ loopback (no RDMA NIC here) the same code runs over TCP/shared memory and says s
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from itertools import accumulate
 from typing import Callable, Protocol, Sequence
 
@@ -87,6 +89,20 @@ def rdma_lanes() -> int:
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # pools and clients whose agents are still alive
+
+
+def _close_open_agents() -> None:
+    """At exit, tear every agent down while the memory it registered still exists.
+
+    Left to interpreter shutdown, a backend's tensors and its agents go in any order; an agent
+    destroyed after its registered memory was freed crashed the process on exit (a
+    segfault after every test had passed, about one run in six)."""
+    for owner in list(_OPEN):
+        owner.close()
+
+
+atexit.register(_close_open_agents)
 
 
 def _agent(name: str):
@@ -144,6 +160,7 @@ class NixlPeerPool:
         self.pool = torch.zeros((slots, slot_bytes), dtype=torch.uint8) if pool is None else pool
         self.agent = _agent(name or f"kvc-pool-{uuid.uuid4().hex[:8]}")
         self.agent.register_memory(self.pool)
+        _OPEN.add(self)
         self.table = SlotTable(slots) if table is None else table
         self._pending: dict[bytes, tuple[int, float]] = {}  # key -> (reserved slot, when it expires)
 
@@ -215,6 +232,12 @@ class NixlPeerPool:
         """Bytes of slots holding committed blocks."""
         return len(self.table) * self.slot_bytes
 
+    def close(self) -> None:
+        """Destroy the agent now, before the slab it registered (idempotent); the pool lends nothing after."""
+        agent, self.agent = self.agent, None
+        del agent  # the last reference: NIXL deregisters the slab and stops its threads here
+        _OPEN.discard(self)
+
 
 def _groups(lengths: Sequence[int], target: int) -> list[range]:
     """Consecutive index ranges of about `target` bytes each (at least one block each)."""
@@ -275,6 +298,19 @@ class RDMABackend(StorageBackend):
         self.emulated = True
         self._stats = BackendStats()
         self._workers = BatchWorkers(lanes)  # lane g > 0 runs on a pool thread
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Destroy the agents now, before the memory they registered (idempotent); later calls are misses."""
+        agents, self._agents, self.agent = self._agents, [], None
+        while agents:
+            agent = agents.pop()
+            try:
+                agent.remove_remote_agent(self.peer_name)
+            except Exception:  # noqa: BLE001 - a peer that is gone may already be forgotten
+                pass
+            del agent  # the last reference: NIXL deregisters our memory and stops its threads here
+        _OPEN.discard(self)
 
     def register(self, region: torch.Tensor) -> None:
         """Register host memory the caller lands blocks in or sends them from (e.g. its own tier pool).
@@ -315,6 +351,8 @@ class RDMABackend(StorageBackend):
 
         Any NIXL failure (the peer process restarted or left: NIXL_ERR_REMOTE_DISCONNECT, a bad
         descriptor, a transfer in ERR, no answer in 30 s) is a StorageError: the caller's misses."""
+        if not self._agents:
+            raise StorageError("rdma: this backend was closed")
         agent = self._agents[lane]
         try:
             local_descs = agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
