@@ -23,7 +23,7 @@ from kvcluster.storage.parallel import BatchWorkers
 import torch
 
 from kvcluster.storage import NixlPeerPool, RDMABackend
-from kvcluster.storage.rdma import LANE_MIN_BYTES, _agent, _shares, progress_delay_us, rdma_lanes
+from kvcluster.storage.rdma import _agent, progress_delay_us, rdma_lanes
 
 SPACE = KeySpace(model="copyhash-test")
 LENGTHS = [0, 1, 7, 31, 32, 33, 63, 64, 65, 4095, 4096, 65537, (256 << 10) + 3, 3_000_001]
@@ -112,33 +112,63 @@ def test_batch_workers_start_and_ahead_keep_order() -> None:
     assert workers.start(False, sum, [1, 2])() == 3
 
 
-def test_batch_workers_each_finishes_every_part_before_raising() -> None:
+def test_batch_workers_drain_runs_every_item_once_in_order() -> None:
     workers = BatchWorkers(2)
-    assert workers.each(lambda g, part: (g, sum(part)), [[1, 2], [3], [4, 5]]) == [(0, 3), (1, 3), (2, 9)]
-    assert workers.each(lambda g, part: g, []) == []
-    finished = []
-
-    def part(g: int, delay: float) -> int:
-        if g == 0:
-            raise ValueError("lane 0 failed")
-        time.sleep(delay)
-        finished.append(g)
-        return g
-
-    with pytest.raises(ValueError, match="lane 0 failed"):
-        workers.each(part, [0.0, 0.2])
-    assert finished == [1]  # the slower part was waited for: it may still have been writing the caller's buffers
+    assert workers.drain(lambda g, k: k * k, 7, 2) == [k * k for k in range(7)]
+    assert workers.drain(lambda g, k: k, 0, 2) == []
+    assert set(workers.drain(lambda g, k: g, 5, 1)) == {0}  # one lane: all in the calling thread
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 4 << 20), min_size=1, max_size=40), st.integers(1, 6))
-def test_lane_shares_cover_the_batch_in_order(lengths: list[int], lanes: int) -> None:
-    shares = _shares(lengths, lanes, LANE_MIN_BYTES)
-    assert [i for share in shares for i in share] == list(range(len(lengths)))  # consecutive, each block once
-    assert 1 <= len(shares) <= lanes
-    if len(shares) > 1:  # worth splitting, and as even as whole blocks allow
-        assert sum(lengths) >= len(shares) * LANE_MIN_BYTES
-        assert max(sum(lengths[i] for i in share) for share in shares) <= sum(lengths) / len(shares) + max(lengths)
+def test_batch_workers_drain_does_not_wait_for_a_late_lane() -> None:
+    """A lane that has not started when the work runs out is cancelled: the caller took its share."""
+    workers = BatchWorkers(2)
+    gate = workers._executor().submit(time.sleep, 0.3)  # the only pool thread is busy: lane 1 cannot start
+    t0 = time.perf_counter()
+    assert workers.drain(lambda g, k: g, 4, 2) == [0, 0, 0, 0]
+    assert time.perf_counter() - t0 < 0.25 and not gate.done()
+
+
+def test_batch_workers_drain_finishes_what_started_before_raising() -> None:
+    workers = BatchWorkers(2)
+    started, finished = [], []
+
+    def item(g: int, k: int) -> int:
+        started.append(k)
+        if k == 0:
+            time.sleep(0.2)  # lane 1 takes item 1 meanwhile
+            raise ValueError("item 0 failed")
+        time.sleep(0.3)
+        finished.append(k)
+        return k
+
+    with pytest.raises(ValueError, match="item 0 failed"):
+        workers.drain(item, 6, 2)
+    assert finished == [1]  # item 1 was waited for: it may still have been writing the caller's buffers
+    assert sorted(started) == [0, 1]  # nothing started after the error
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 30), st.integers(1, 4), st.lists(st.sampled_from([0.0, 0.0, 0.001]), min_size=1, max_size=8))
+def test_batch_workers_drain_hands_each_item_to_one_lane(n: int, lanes: int, pauses: list[float]) -> None:
+    workers = BatchWorkers(lanes)
+    seen = []
+
+    def item(g: int, k: int) -> tuple[int, int]:
+        seen.append(k)
+        time.sleep(pauses[k % len(pauses)])
+        return g, k
+
+    out = workers.drain(item, n, lanes)
+    assert [k for _, k in out] == list(range(n)) and sorted(seen) == list(range(n))
+    assert {g for g, _ in out} <= set(range(lanes))
+
+
+def test_rdma_wakes_a_second_lane_only_for_a_large_batch() -> None:
+    _, client, _, _ = _lanes_client("lanes-count", 2, 1 << 16)
+    assert client._lanes([1 << 20], 1) == 1  # one chunk
+    assert client._lanes([1 << 19] * 3, 2) == 1  # 1.5 MiB: one lane's worth
+    assert client._lanes([1 << 20] * 2, 2) == 2
+    assert client._lanes([1 << 20] * 8, 8) == 2  # no more than its agents
 
 
 def test_rdma_lanes_setting(monkeypatch) -> None:
@@ -161,7 +191,7 @@ def _lanes_client(name: str, n: int, block: int):
     return pool, client, source, landing
 
 
-def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_either_share() -> None:
+def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_any_chunk() -> None:
     ks, data = big_batch(6, block=1 << 20, salt="lanes")
     pool, client, source, landing = _lanes_client("lanes-client", 6, 1 << 20)
     assert client.stats()["lanes"] == 2 and len({a.name for a in client._agents}) == 2
@@ -172,7 +202,7 @@ def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_either_share() -
     out = list(landing.numpy())
     got = client.get_many(ks, out)
     assert all(np.array_equal(g, d) and np.shares_memory(g, o) for g, d, o in zip(got, data, out))
-    for victim in (1, 4):  # one block in the first lane's share, one in the second's
+    for victim in (1, 4):  # blocks of two chunks (1 MiB blocks: a chunk each)
         pool.pool.numpy()[pool.lookup([bytes(ks[victim])])[0][0], 12345] ^= 0x04
     again = client.get_many(ks, out)
     assert again[1] is None and again[4] is None
@@ -191,6 +221,8 @@ def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
 
     def recording(op, local, slots, lane=0):
         used.append((op, lane, len(local)))
+        if lane == 0:
+            time.sleep(0.05)  # the calling thread is slow: lane 1 surely takes a chunk of each part
         return real(op, local, slots, lane)
 
     monkeypatch.setattr(client, "_transfer", recording)
@@ -256,6 +288,8 @@ def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> Non
     real = client._transfer
 
     def second_lane_fails(what, local, slots, lane=0):
+        if what == op and lane == 0:
+            time.sleep(0.2)  # lane 1 surely takes a chunk meanwhile
         if lane == 1 and what == op:
             raise StorageError(f"rdma: NIXL {what} failed (ERR)")
         return real(what, local, slots, lane)

@@ -9,6 +9,7 @@ this VM (measured: benchmarks/RESULTS.md), more than the work it would share.
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
@@ -53,28 +54,37 @@ class BatchWorkers:
         for f in futures:
             f.result()
 
-    def each(self, fn: Callable[[int, T], R], parts: Sequence[T]) -> list[R]:
-        """`fn(g, parts[g])` for every part at once: part 0 in the calling thread, the others on pool threads.
+    def drain(self, fn: Callable[[int, int], R], n: int, lanes: int) -> list[R]:
+        """`fn(lane, k)` for k = 0..n-1 over up to `lanes` lanes, each taking the next k when free; results in k order.
 
-        Every part finishes before this returns, even when one raises (the parts may write
-        into the caller's buffers); then the first exception, in part order, is raised.
+        Lane 0 is the calling thread, the others pool threads. Why not fixed shares: a pool
+        thread on this VM wakes 40-75 us late, far later when the other core is busy, and
+        with fixed shares the caller then sat waiting for it. Here the caller takes the work
+        a late lane has not started, and a lane that never started is cancelled, not waited
+        for. Every started `fn` finishes before this returns, even when one raises (they may
+        write the caller's buffers); no k starts after an error; the lowest k's error is raised.
         """
-        if not parts:
-            return []
-        futures = [self._executor().submit(fn, g, part) for g, part in enumerate(parts) if g > 0]
-        results: list = []
-        errors: list[BaseException] = []
-        try:
-            results.append(fn(0, parts[0]))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other parts are done
-            errors.append(exc)
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+        results: list = [None] * n
+        errors: dict[int, BaseException] = {}
+        tickets = itertools.count()  # next() on a count is atomic under the GIL: each k goes to one lane
+
+        def lane(g: int) -> None:
+            while not errors:
+                k = next(tickets)
+                if k >= n:
+                    return
+                try:
+                    results[k] = fn(g, k)
+                except BaseException as exc:  # noqa: BLE001 - raised below, once every started k is over
+                    errors[k] = exc
+
+        helpers = [self._executor().submit(lane, g) for g in range(1, min(lanes, n, self.workers))]
+        lane(0)
+        for helper in helpers:
+            if not helper.cancel():  # started: it may be moving its last k
+                helper.result()
         if errors:
-            raise errors[0]
+            raise errors[min(errors)]
         return results
 
     def worth(self, nbytes: int) -> bool:

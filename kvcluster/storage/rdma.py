@@ -40,8 +40,8 @@ class PeerUnavailable(StorageError):
     """The pool's owner cannot be reached (its node left, its actor is restarting)."""
 
 
-LANE_MIN_BYTES = 1 << 20  # a lane takes at least this much of a batch: less is not worth a thread handoff (40-75 us)
-CHUNK_BYTES = 1 << 20  # a lane moves its share in transfers of about this size, each summed while in cache
+LANE_MIN_BYTES = 1 << 20  # a lane is woken per this much of a batch: less is not worth a thread handoff (40-75 us)
+CHUNK_BYTES = 1 << 20  # a batch moves in transfers of about this size, each summed while in cache
 PROGRESS_DELAY_US = 100  # default pause of an agent's progress thread between idle polls
 MAX_DEFAULT_LANES = 2
 
@@ -252,20 +252,6 @@ def _groups(lengths: Sequence[int], target: int) -> list[range]:
     return groups
 
 
-def _shares(lengths: Sequence[int], lanes: int, min_bytes: int) -> list[range]:
-    """Consecutive index ranges of about equal bytes, one per lane, each of at least `min_bytes` (at least one)."""
-    total = sum(lengths)
-    count = max(1, min(lanes, len(lengths), total // max(1, min_bytes)))
-    shares, start, used = [], 0, 0
-    for i, n in enumerate(lengths):
-        used += n
-        if len(shares) < count - 1 and used * count >= total * (len(shares) + 1):
-            shares.append(range(start, i + 1))
-            start = i + 1
-    shares.append(range(start, len(lengths)))
-    return [share for share in shares if len(share)]
-
-
 class RDMABackend(StorageBackend):
     """A peer's pool as a tier of this node (client side)."""
 
@@ -378,41 +364,44 @@ class RDMABackend(StorageBackend):
             except Exception:  # noqa: BLE001 - a handle of a vanished peer may not release cleanly
                 pass
 
+    def _lanes(self, lengths: Sequence[int], chunks: int) -> int:
+        """Lanes worth waking for a batch: each gets at least LANE_MIN_BYTES of it (at least one lane)."""
+        return max(1, min(len(self._agents), chunks, sum(lengths) // LANE_MIN_BYTES))
+
     def _read_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
                     verify: Callable[[int], bool]) -> list[bool]:
         """Blocks k = 0.. read from the peer's `slots[k]` to local addresses `local[k]`; `verify(k)` per block.
 
-        The batch is shared among the lanes, each on its own core; a lane reads its share in
-        transfers of about CHUNK_BYTES and verifies each as it lands, while it is still in cache.
-        A failed transfer raises StorageError once every lane is over (they write buffers the
-        caller may reuse)."""
-        def lane(g: int, share: range) -> list[bool]:
-            intact = []
-            for chunk in _groups([lengths[k] for k in share], CHUNK_BYTES):
-                part = [share[c] for c in chunk]
-                self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
-                intact += [verify(k) for k in part]
-            return intact
+        The batch moves in transfers of about CHUNK_BYTES; each lane (an agent on its own core)
+        takes the next chunk when free and verifies it as it lands, while it is still in cache.
+        A failed transfer raises StorageError once every started chunk is over (they write
+        buffers the caller may reuse)."""
+        chunks = _groups(lengths, CHUNK_BYTES)
 
-        shares = _shares(lengths, len(self._agents), LANE_MIN_BYTES)
-        return [good for lane_results in self._workers.each(lane, shares) for good in lane_results]
+        def move(g: int, c: int) -> list[bool]:
+            part = chunks[c]
+            self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+            return [verify(k) for k in part]
+
+        moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
+        return [good for chunk in moved for good in chunk]
 
     def _write_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
                      digest: Callable[[int], int]) -> list[int]:
         """Blocks k = 0.. written from local addresses `local[k]` to the peer's `slots[k]`; their digests.
 
-        Shared among the lanes like reads; `digest(k)` runs just before its chunk's write (a sum,
-        or the staging copy that sums), which leaves the bytes in cache for the write."""
-        def lane(g: int, share: range) -> list[int]:
-            digests = []
-            for chunk in _groups([lengths[k] for k in share], CHUNK_BYTES):
-                part = [share[c] for c in chunk]
-                digests += [digest(k) for k in part]
-                self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+        Chunked and spread over the lanes like reads; `digest(k)` runs just before its chunk's
+        write (a sum, or the staging copy that sums), which leaves the bytes in cache for it."""
+        chunks = _groups(lengths, CHUNK_BYTES)
+
+        def move(g: int, c: int) -> list[int]:
+            part = chunks[c]
+            digests = [digest(k) for k in part]
+            self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
             return digests
 
-        shares = _shares(lengths, len(self._agents), LANE_MIN_BYTES)
-        return [d for lane_digests in self._workers.each(lane, shares) for d in lane_digests]
+        moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
+        return [d for chunk in moved for d in chunk]
 
     def _batches(self, lengths: Sequence[int]):
         """Split a batch so each part fits in the staging buffer."""
