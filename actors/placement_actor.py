@@ -91,13 +91,14 @@ class PlacementController:
                 done["put_refused"] += sum(g is False for g in stored)
                 to_copy = [k for k, g in zip(to_copy, stored) if g is None]  # unread over NIXL: try the object store
             if to_copy:
-                payloads = ray.get(actors[src].get_many.remote(to_copy), timeout=60)
-                present = [(k, p) for k, p in zip(to_copy, payloads) if p is not None]
+                payloads, digests = ray.get(actors[src].read_verified.remote(to_copy), timeout=60)
+                present = [(k, p, d) for k, p, d in zip(to_copy, payloads, digests) if p is not None]
                 done["source_missing"] += len(to_copy) - len(present)
                 if present:
-                    ks = [k for k, _ in present]
-                    ok = ray.get(actors[dst].put_many.remote(ks, [p for _, p in present],
-                                                             [pairs.get(k, DEFAULT_PAIR) for k in ks], prefetch),
+                    ks = [k for k, _, _ in present]
+                    ok = ray.get(actors[dst].put_many.remote(ks, [p for _, p, _ in present],
+                                                             [pairs.get(k, DEFAULT_PAIR) for k in ks], prefetch,
+                                                             [d for _, _, d in present]),
                                  timeout=60)
                     acked.update(k for k, good in zip(ks, ok) if good)
                     done["put_refused"] += sum(not good for good in ok)

@@ -75,9 +75,10 @@ class TierActor:
                 self.index.stored.remote(self.cfg.node, "pfs", held[i : i + 4096])
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
-                 prefetch: bool = False) -> list[bool]:
-        """Store blocks; `prefetch`: the placement controller promoted them here ahead of use."""
-        ok = self.backend.put_many(list(zip(keys, payloads)))
+                 prefetch: bool = False, digests: list[int | None] | None = None) -> list[bool]:
+        """Store blocks; `prefetch`: the placement controller promoted them here ahead of use; `digests`:
+        the checksums the tier they were read from verified (see `StorageBackend.put_many`)."""
+        ok = self.backend.put_many(list(zip(keys, payloads)), digests)
         self._stored(keys, ok, pairs, prefetch)
         return ok
 
@@ -94,11 +95,16 @@ class TierActor:
         self._report_bytes()
 
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
+        return self.read_verified(keys)[0]
+
+    def read_verified(self, keys: list[bytes]) -> tuple[list[np.ndarray | None], list[int | None]]:
+        """`get_many`'s payloads and the digests they were verified against: a move hands both to `put_many`
+        of the tier they go to, which then catches bytes changed on the way (the object store's copy too)."""
         corrupt_before = self.backend.stats().get("corrupt", 0)
-        got = self.backend.get_many(keys)
+        got, digests = self.backend.read_verified([BlockKey(k) for k in keys])
         corrupt = self.backend.stats().get("corrupt", 0) - corrupt_before
         self._account_reads(keys, [g is not None for g in got], corrupt)
-        return got
+        return got, digests
 
     def _account_reads(self, keys: list[bytes], found: list[bool], corrupt: int) -> None:
         """After a read (here, or by a NIXL reader that looked the keys up): index, prefetch and lookup metrics."""
@@ -198,13 +204,14 @@ class TierActor:
                 self._peers[source] = peer
             if self.cfg.tier in ("dram", "cxl"):
                 return self._land(peer, keys, pairs, prefetch)
-            got = peer.get_many(keys)
+            got, verified = peer.read_verified([BlockKey(k) for k in keys])
         except (StorageError, ValueError):  # source gone or not NIXL-capable: nothing moved
             self._peers.pop(source, None)
             return [None] * len(keys)
         present = [i for i, g in enumerate(got) if g is not None]
         ok = self.put_many([keys[i] for i in present], [got[i] for i in present],
-                           None if pairs is None else [pairs[i] for i in present], prefetch)
+                           None if pairs is None else [pairs[i] for i in present], prefetch,
+                           [verified[i] for i in present])
         self._pulled += sum(ok)
         out: list[bool | None] = [None] * len(keys)
         for i, good in zip(present, ok):

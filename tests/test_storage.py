@@ -13,8 +13,9 @@ import torch
 
 from kvcluster.keys import BlockKey, KeySpace
 from kvcluster.model_spec import load_model_spec
-from kvcluster.storage import (NVMeBackend, NixlPeerPool, PFSBackend, RDMABackend, StorageError, cxl_backend,
-                               dram_backend, hbm_backend, layout_for)
+from kvcluster.storage import (NVMeBackend, NixlPeerPool, PFSBackend, RDMABackend, StorageError, checksum,
+                               cxl_backend, dram_backend, hbm_backend, layout_for)
+from kvcluster.storage.aligned import aligned_empty
 from kvcluster.storage.rdma import PeerUnavailable
 
 SPACE = KeySpace(model="test")
@@ -58,6 +59,79 @@ def test_every_backend_round_trips_bits_exactly(tmp_path: Path, dtype) -> None:
         assert backend.delete(ks[:2]) == 2 and backend.get_many(ks[:2]) == [None, None]
         backend.check_integrity()
         assert {"name", "medium", "emulated"} <= set(backend.stats())
+
+
+def _registered_rdma(n: int, block: int):
+    """An rdma client whose payloads and landing rows lie in registered memory: the direct path."""
+    client = RDMABackend(NixlPeerPool(2 * n, block), block, 2 * n, lanes=1)
+    rows = torch.zeros((2, n, block), dtype=torch.uint8)
+    client.register(rows)
+    client._rows = rows  # kept alive with the client
+    return client, rows.numpy()[0], rows.numpy()[1]
+
+
+def test_verified_digests_come_with_every_read(tmp_path: Path) -> None:
+    data = payloads(torch.bfloat16, 3, numel=2048)
+    ks = keys(3, "verified")
+    for backend in backends(tmp_path):
+        assert backend.put_many(list(zip(ks, data))) == [True] * 3
+        got, digests = backend.read_verified(ks + keys(1, "never-stored"))
+        assert all(np.array_equal(g, d) for g, d in zip(got, data)) and got[3] is None
+        if backend.name == "hbm":  # the tier the model reads directly keeps no checksum
+            assert digests == [None] * 4
+        else:
+            assert digests == [checksum(d) for d in data] + [None], backend.name
+
+
+def test_a_given_digest_is_stored_and_a_payload_that_changed_is_never_served(tmp_path: Path) -> None:
+    """Every backend takes a demoted block's verified digest; bytes that no longer match it are a miss."""
+    data = payloads(torch.float32, 2, numel=4096)  # 16 KiB each
+    ks = keys(2, "given")
+    wrong = [checksum(data[0]), checksum(data[1]) ^ 1]  # block 1's bytes changed since they were verified
+    rdma, rows, landing = _registered_rdma(2, 1 << 14)
+    rows[:] = np.stack(data)
+    aligned = [aligned_empty(d.nbytes) for d in data]
+    for a, d in zip(aligned, data):
+        a[:] = d
+    cases = [(b, data) for b in backends(tmp_path)] + [(rdma, list(rows)),  # direct: the digest is not summed again
+                                                       (NVMeBackend(tmp_path / "in-place", 4, 1 << 14), aligned)]
+    for backend, items in cases:
+        stored = backend.put_many(list(zip(ks, items)), wrong)
+        got = backend.get_many(ks)
+        assert stored[0] and np.array_equal(got[0], data[0]), backend.name
+        if backend.name == "hbm":  # keeps no checksum: the digest means nothing to it, the bytes are stored
+            assert stored[1] and np.array_equal(got[1], data[1])
+            continue
+        assert got[1] is None, backend.name  # refused at the put (it summed the copy) or caught by the read
+        assert (stored[1] is False) == (backend.stats()["digest_mismatches"] == 1), backend.name
+        if backend.name in ("dram", "cxl"):
+            assert stored[1] is False  # the copy's sum differed: refused
+    for backend, _ in cases[-2:]:  # moved without a pass of their own: stored as given, caught by the read
+        assert backend.stats()["digest_mismatches"] == 0 and backend.stats()["corrupt"] == 1, backend.name
+    with pytest.raises(ValueError, match="1 digests for 2 items"):
+        dram_backend(4, 1 << 14).put_many(list(zip(ks, data)), [None])
+
+
+def test_a_demotion_hands_the_tier_below_the_digest_it_verified(tmp_path: Path) -> None:
+    from kvcluster.policies.base import RequestContext
+    from kvcluster.storage.tiered import TieredStore
+
+    data = payloads(torch.float32, 4, numel=1024)
+    ks = keys(4, "demote")
+    lower = NVMeBackend(tmp_path / "nvme", 8, 4096)
+    handed = []
+    real = lower.put_many
+
+    def spy(items, digests=None):
+        handed.extend(zip([bytes(k) for k, _ in items], digests))
+        return real(items, digests)
+
+    lower.put_many = spy
+    store = TieredStore([dram_backend(2, 4096), lower], 4096, "lru")
+    for i, (k, d) in enumerate(zip(ks, data)):  # two blocks fit in dram: the first two go down
+        store.commit([k], [d], RequestContext(i, float(i)))
+    assert handed == [(bytes(ks[0]), checksum(data[0])), (bytes(ks[1]), checksum(data[1]))]
+    assert all(np.array_equal(p, d) for p, d in zip(store.fetch(ks).payloads, data))
 
 
 def test_stand_ins_say_so(tmp_path: Path) -> None:

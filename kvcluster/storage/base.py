@@ -35,6 +35,15 @@ def checksum(data: Payload) -> int:
     return hash_bytes(memoryview(data).cast("B"))
 
 
+def given_digests(digests: Sequence[int | None] | None, n: int) -> list[int | None]:
+    """The verified digests a caller passed to `put_many`, one per item (None where it knows none)."""
+    if digests is None:
+        return [None] * n
+    if len(digests) != n:
+        raise ValueError(f"put_many: {len(digests)} digests for {n} items")
+    return list(digests)
+
+
 @dataclass
 class BackendStats:
     puts: int = 0
@@ -44,6 +53,7 @@ class BackendStats:
     get_bytes: int = 0
     misses: int = 0
     corrupt: int = 0
+    digest_mismatches: int = 0  # puts refused: the payload's sum differed from the digest it came with
     deletes: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -56,11 +66,27 @@ class StorageBackend(ABC):
     emulated: bool = False  # True when a stand-in replaces the real medium
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]: ...
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
+                 digests: Sequence[int | None] | None = None) -> list[bool]:
+        """Store blocks; True where stored. `digests[i]`, where given, is item i's checksum as verified by the
+        tier it was just read from (a demotion, see `read_verified`).
 
-    @abstractmethod
+        Why: the digest travels with the bytes, end to end, as ZFS's block pointers carry theirs.
+        A backend that copies the payload anyway compares the sum of its copy with the given digest
+        and refuses a payload that changed since it was verified; one that would need a pass of its
+        own to sum it (a DMA-style write, a file written in place) stores the given digest instead,
+        and a payload that changed is then caught by the read that verifies it: a miss, never wrong KV.
+        """
+
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
         """Payloads (into `out[i]` when given, else new arrays), None for a miss."""
+        return self.read_verified(keys, out)[0]
+
+    @abstractmethod
+    def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[int | None]]:
+        """`get_many`'s payloads, and the digest each was verified against (None: a miss, or a tier that
+        does not verify, such as HBM): what a demotion hands `put_many(..., digests)` of the tier below."""
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...

@@ -18,7 +18,7 @@ import torch
 
 from ..keys import BlockKey
 from .aligned import aligned_empty, aligned_host_tensor
-from .base import BackendStats, Payload, SlottedBackend, StorageError
+from .base import BackendStats, Payload, SlottedBackend, StorageError, given_digests
 from .copyhash import copy_hash
 from .numa import bind_to_node, cpuless_numa_nodes
 from .parallel import BatchWorkers
@@ -45,14 +45,20 @@ class MemoryPoolBackend(SlottedBackend):
         self._stats = BackendStats()
         self._workers = BatchWorkers(workers)
 
-    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
+                 digests: Sequence[int | None] | None = None) -> list[bool]:
+        """One copy per block, summed on the way (unless the pool does not verify, as HBM); a block whose
+        sum differs from its given digest changed since it was verified and is refused."""
         views = [_bytes_view(data) for _, data in items]
+        given = given_digests(digests, len(items))
+        if not self.verify:  # nothing summed here to compare with, nothing stored for reads to check
+            given = [None] * len(items)
         last = {key: i for i, (key, _) in enumerate(items)}  # a key given twice: its last payload is stored
         slots: list[int | None] = [None] * len(items)
         for i, (key, _) in enumerate(items):
             if last[key] == i and views[i].nbytes <= self.slot_bytes:
                 slots[i] = self.table.allocate(key)
-        digests = [0] * len(items)
+        summed = [0] * len(items)
 
         def store(i: int) -> None:
             slot, view = slots[i], views[i]
@@ -61,7 +67,7 @@ class MemoryPoolBackend(SlottedBackend):
             if self._host is None:
                 self.pool[slot, : view.nbytes].copy_(torch.from_numpy(view.copy()), non_blocking=False)
             elif self.verify:
-                digests[i] = copy_hash(self._host[slot], view)
+                summed[i] = copy_hash(self._host[slot], view)
             else:
                 self._host[slot, : view.nbytes] = view
 
@@ -72,10 +78,17 @@ class MemoryPoolBackend(SlottedBackend):
                 if slots[i] is not None and key not in self.table:
                     self.table.abandon(slots[i])
             raise
+        changed = [i for i in range(len(items)) if slots[i] is not None and given[i] not in (None, summed[i])]
+        for i in changed:  # not what was verified below: refused, as a failed write is
+            if items[i][0] not in self.table:
+                self.table.abandon(slots[i])
+            self.table.release(items[i][0])
+            slots[i] = None
+        self._stats.digest_mismatches += len(changed)
         ok = []
         for i, (key, _) in enumerate(items):
             if slots[i] is not None:
-                self.table.commit(key, slots[i], views[i].nbytes, digests[i])
+                self.table.commit(key, slots[i], views[i].nbytes, summed[i])
                 self._stats.puts += 1
                 self._stats.put_bytes += views[i].nbytes
                 ok.append(True)
@@ -86,7 +99,8 @@ class MemoryPoolBackend(SlottedBackend):
                 ok.append(False)
         return ok
 
-    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+    def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[int | None]]:
         entries = [self.table.get(key) for key in keys]
         results: list[np.ndarray | None] = [None] * len(keys)
         intact = [False] * len(keys)
@@ -116,7 +130,8 @@ class MemoryPoolBackend(SlottedBackend):
             else:
                 self._stats.gets += 1
                 self._stats.get_bytes += entry.length
-        return results
+        verified = [e.checksum if self.verify and r is not None else None for e, r in zip(entries, results)]
+        return results, verified
 
     def _run(self, fn, n: int, nbytes: int) -> None:
         """Host pools spread a batch's copies and hashes over the cores; device pools copy in order."""

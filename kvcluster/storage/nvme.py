@@ -26,7 +26,7 @@ import numpy as np
 
 from ..keys import BlockKey
 from .aligned import aligned_empty, is_aligned
-from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum
+from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum, given_digests
 from .copyhash import copy_hash
 from .parallel import BatchWorkers
 from .slab import SlotTable
@@ -94,44 +94,57 @@ class NVMeBackend(SlottedBackend):
         """Whether the disk can take this buffer as it is (aligned for O_DIRECT, or no O_DIRECT at all)."""
         return self.kvikio is not None or not self.direct or is_aligned(view)
 
-    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
+                 digests: Sequence[int | None] | None = None) -> list[bool]:
         """Aligned payloads (a tier pool's rows) are written in place, their digests summed on another
-        core meanwhile; others are copied into a staging buffer (summed on the way) while the previous
-        one is written. A key given twice in a batch stores its last payload."""
+        core meanwhile (or taken as given: no pass at all); others are copied into a staging buffer
+        (summed on the way, and refused if that differs from a given digest) while the previous one is
+        written. A key given twice in a batch stores its last payload."""
         ok = [False] * len(items)
+        given = given_digests(digests, len(items))
         views = [np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) for _, data in items]
         last = {key: i for i, (key, _) in enumerate(items)}
         fits = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes and last[items[i][0]] == i]
         self._stats.put_failures += sum(view.nbytes > self.slot_bytes for view in views)
         direct = {i: self._in_place(views[i]) for i in fits}
-        self._put_in_place(items, views, [i for i in fits if direct[i]], ok)
-        self._put_staged(items, views, [i for i in fits if not direct[i]], ok)
+        self._put_in_place(items, views, given, [i for i in fits if direct[i]], ok)
+        self._put_staged(items, views, given, [i for i in fits if not direct[i]], ok)
         for i, (key, _) in enumerate(items):
             if last[key] != i and ok[last[key]]:
                 ok[i] = True  # superseded by the same key later in this batch
         return ok
 
-    def _store(self, key: BlockKey, buffer, nbytes: int, write_bytes: int, digest: Callable[[], int]) -> bool:
-        """One block to a free slot: written, then committed with its digest; a failed write leaves a miss."""
+    def _store(self, key: BlockKey, buffer, nbytes: int, write_bytes: int, digest: Callable[[], int],
+               expected: int | None = None) -> bool:
+        """One block to a free slot: written, then committed with its digest; a failed write, or a digest
+        other than the `expected` one the payload came with, leaves a miss."""
         slot = self.table.allocate(key)
-        if slot is None or self._write(buffer, write_bytes, slot * self.slot_bytes) != write_bytes:
+        written = slot is not None and self._write(buffer, write_bytes, slot * self.slot_bytes) == write_bytes
+        summed = digest()  # a summing thread must be done with the buffer before the caller gets it back
+        changed = written and expected is not None and summed != expected
+        if not written or changed:
             if slot is not None:
                 self.table.abandon(slot)
                 self.table.release(key)
             self._stats.put_failures += 1
-            digest()  # a summing thread must be done with the buffer before the caller gets it back
+            self._stats.digest_mismatches += changed
             return False
-        self.table.commit(key, slot, nbytes, digest())
+        self.table.commit(key, slot, nbytes, summed)
         self._stats.puts += 1
         self._stats.put_bytes += nbytes
         return True
 
-    def _put_in_place(self, items, views: list[np.ndarray], order: list[int], ok: list[bool]) -> None:
-        digests = self._workers.ahead(checksum, [views[i] for i in order], sum(views[i].nbytes for i in order))
-        for i, digest in zip(order, digests):
+    def _put_in_place(self, items, views: list[np.ndarray], given: list[int | None], order: list[int],
+                      ok: list[bool]) -> None:
+        unknown = [i for i in order if given[i] is None]  # the others' digests came with them: nothing to sum
+        summed = dict(zip(unknown, self._workers.ahead(checksum, [views[i] for i in unknown],
+                                                      sum(views[i].nbytes for i in unknown))))
+        for i in order:
+            digest = summed.get(i) or (lambda d=given[i]: d)
             ok[i] = self._store(items[i][0], views[i], views[i].nbytes, views[i].nbytes, digest)
 
-    def _put_staged(self, items, views: list[np.ndarray], order: list[int], ok: list[bool]) -> None:
+    def _put_staged(self, items, views: list[np.ndarray], given: list[int | None], order: list[int],
+                    ok: list[bool]) -> None:
         background = self._workers.worth(sum(views[i].nbytes for i in order))
         fills: dict[int, Callable[[], int]] = {}
 
@@ -142,9 +155,11 @@ class NVMeBackend(SlottedBackend):
         fill(0)
         for j, i in enumerate(order):
             fill(j + 1)
-            ok[i] = self._store(items[i][0], self._stages[j % 2], views[i].nbytes, self.slot_bytes, fills.pop(j))
+            ok[i] = self._store(items[i][0], self._stages[j % 2], views[i].nbytes, self.slot_bytes, fills.pop(j),
+                                given[i])
 
-    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+    def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[int | None]]:
         """Blocks land in place when their buffer is aligned (`out`'s, or a new aligned array), each verified
         on another core while the next is read; otherwise through a staging buffer, copied out and verified
         while the next one is read."""
@@ -169,7 +184,7 @@ class NVMeBackend(SlottedBackend):
                 results[i] = None
                 self._stats.corrupt += 1
                 self.table.release(keys[i])
-        return results
+        return results, [e.checksum if r is not None else None for e, r in zip(entries, results)]
 
     def _get_in_place(self, entries, results, order: list[int]) -> list[tuple[int, bool]]:
         background = self._workers.worth(sum(entries[i].length for i in order))

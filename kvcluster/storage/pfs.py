@@ -25,7 +25,7 @@ import numpy as np
 
 from ..keys import KEY_BYTES, BlockKey
 from .aligned import aligned_empty
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests
 from .copyhash import pread_hash
 from .parallel import BatchWorkers
 
@@ -65,8 +65,12 @@ class PFSBackend(StorageBackend):
         hexkey = bytes(key).hex()  # [0-9a-f] only: no separator, no "..", cannot leave base
         return f"{self._base}/{hexkey[:2]}/{hexkey[2:4]}/{hexkey}.kvb"
 
-    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
+                 digests: Sequence[int | None] | None = None) -> list[bool]:
+        """Each new block to a temp file renamed into place; a given digest goes into the header as it is
+        (the read that verifies it catches a payload that changed), others are summed on another core."""
         ok = [False] * len(items)
+        given = given_digests(digests, len(items))
         todo: list[tuple[int, str, memoryview]] = []
         room = self._capacity - self.used_bytes
         batch: set[str] = set()
@@ -81,9 +85,12 @@ class PFSBackend(StorageBackend):
                 todo.append((i, file, view))
                 batch.add(file)
                 room -= view.nbytes
-        # the digests are summed on another core while this thread writes the payloads
-        digests = self._workers.ahead(checksum, [view for _, _, view in todo], sum(v.nbytes for _, _, v in todo))
-        for (i, file, view), digest in zip(todo, digests):
+        # digests not given are summed on another core while this thread writes the payloads
+        unknown = [(i, view) for i, _, view in todo if given[i] is None]
+        summed = dict(zip([i for i, _ in unknown], self._workers.ahead(
+            checksum, [view for _, view in unknown], sum(view.nbytes for _, view in unknown))))
+        for i, file, view in todo:
+            digest = summed.get(i) or (lambda d=given[i]: d)
             tmp = f"{os.path.dirname(file)}/.{os.path.basename(file)}.{os.urandom(8).hex()}.tmp"
             try:
                 self._write(tmp, view, digest)
@@ -102,16 +109,20 @@ class PFSBackend(StorageBackend):
             ok[i] = True
         return ok
 
-    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+    def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[int | None]]:
         results: list[np.ndarray | None] = []
+        verified: list[int | None] = []
         for i, key in enumerate(keys):
             file = self._file(key)
             try:
-                dst = self._read(file, None if out is None else out[i])
+                dst, digest = self._read(file, None if out is None else out[i])
             except FileNotFoundError:
                 self._stats.misses += 1
                 results.append(None)
+                verified.append(None)
                 continue
+            verified.append(digest if dst is not None else None)
             if dst is None:
                 self._stats.corrupt += 1
                 try:
@@ -123,7 +134,7 @@ class PFSBackend(StorageBackend):
             self._stats.gets += 1
             self._stats.get_bytes += dst.nbytes
             results.append(dst)
-        return results
+        return results, verified
 
     def _write(self, tmp: str, view: memoryview, digest: Callable[[], int]) -> None:
         """A new temp file: the payload after the header's place, then the header once the digest is in."""
@@ -144,31 +155,32 @@ class PFSBackend(StorageBackend):
             os.close(fd)
 
     @staticmethod
-    def _read(file: str, out: np.ndarray | None) -> np.ndarray | None:
-        """Header, then the payload straight into `out`, summed as it lands; None when the file fails any check."""
+    def _read(file: str, out: np.ndarray | None) -> tuple[np.ndarray | None, int]:
+        """Header, then the payload straight into `out`, summed as it lands; (payload or None when the file
+        fails any check, its header's digest)."""
         try:
             fd = os.open(file, os.O_RDONLY)
         except FileNotFoundError:
             raise
         except OSError:
-            return None
+            return None, 0
         try:
             length = os.fstat(fd).st_size - HEADER.size
             if length < 0 or (out is not None and out.nbytes < length):
-                return None
+                return None, 0
             header = os.pread(fd, HEADER.size, 0)
             if len(header) != HEADER.size:
-                return None
+                return None, 0
             magic, version, stored_length, digest = HEADER.unpack(header)
             if (magic, version, stored_length) != (MAGIC, VERSION, length):
-                return None
+                return None, 0
             dst = out[:length] if out is not None else aligned_empty(length)
             got, landed = pread_hash(fd, dst, HEADER.size)
         except OSError:
-            return None
+            return None, 0
         finally:
             os.close(fd)
-        return dst if got == length and landed == digest else None
+        return (dst if got == length and landed == digest else None), digest
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [os.path.isfile(self._file(key)) for key in keys]

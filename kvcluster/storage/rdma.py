@@ -27,7 +27,7 @@ import torch
 
 from ..keys import BlockKey
 from .aligned import aligned_empty
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests
 from .copyhash import copy_hash
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
@@ -420,11 +420,16 @@ class RDMABackend(StorageBackend):
         base = self.staging.data_ptr()
         return offsets, [base + off for off in offsets]
 
-    def put_many(self, items: Sequence[tuple[BlockKey, Payload]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
+                 digests: Sequence[int | None] | None = None) -> list[bool]:
         """One reserve, the NIXL writes, one commit per part of the batch; nothing uncommitted is ever read.
 
-        Payloads inside registered memory go straight from there in one part; others are copied
-        into the staging buffer (summed in the copy), as many parts as it takes."""
+        Payloads inside registered memory go straight from there in one part, summed just before
+        their write unless their digest is given (then the bytes are read once, by the transfer,
+        as a NIC would); others are copied into the staging buffer (summed in the copy, and not
+        committed if that differs from a given digest), as many parts as it takes. A reservation
+        never committed is free again at the peer after RESERVATION_TTL_S."""
+        given = given_digests(digests, len(items))
         views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for _, d in items]
         keys = [bytes(k) for k, _ in items]
         lengths = [v.nbytes for v in views]
@@ -441,13 +446,18 @@ class RDMABackend(StorageBackend):
 
             def digest(k: int) -> int:  # staged: the copy into the staging buffer sums on the way
                 if direct is not None:
-                    return checksum(views[picked[k]])
+                    known = given[picked[k]]
+                    return checksum(views[picked[k]]) if known is None else known
                 return copy_hash(self._stage_np[offsets[k] : offsets[k] + sizes[k]], views[picked[k]])
 
             try:
                 if picked:
-                    digests = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest)
-                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked], sizes, digests)
+                    summed = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest)
+                    intact = [k for k, i in enumerate(picked) if given[i] in (None, summed[k])]
+                    self._stats.digest_mismatches += len(picked) - len(intact)
+                    picked = [picked[k] for k in intact]
+                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
+                                     [lengths[i] for i in picked], [summed[k] for k in intact])
             except StorageError:  # peer gone or a write failed: these blocks are not stored (uncommitted slots are never read)
                 break
             for i in picked:
@@ -459,10 +469,11 @@ class RDMABackend(StorageBackend):
         self._stats.put_bytes += sum(n for n, good in zip(lengths, ok) if good)
         return ok
 
-    def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:
+    def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[int | None]]:
         results: list[np.ndarray | None] = [None] * len(keys)
         landed = self.read_into(keys, out, results)
-        return [r if d is not None else None for r, d in zip(results, landed)]
+        return [r if d is not None else None for r, d in zip(results, landed)], landed
 
     def read_into(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None,
                   results: list[np.ndarray | None], raise_unavailable: bool = False) -> list[int | None]:

@@ -3,6 +3,9 @@
 `fetch` finds a request's prefix run across the tiers and loads it with one
 `get_many` per tier; a missing or corrupt payload ends the run there (the rest
 is recomputed, never served wrong) and the block leaves the bookkeeping.
+The digest a tier verified travels with the bytes it read (`read_verified`): the
+tier they move to stores it rather than summing them again, or, where it copies
+them anyway, refuses bytes that no longer match it.
 `commit` then lets the hierarchy serve the request and carries out what it
 decided: promoted blocks are written to tier 0 from the bytes just fetched, new
 blocks are stored, victims are copied one tier down (batched per tier pair),
@@ -42,6 +45,7 @@ class TieredStore:
         self._ids: dict[BlockKey, int] = {}
         self._keys: list[BlockKey] = []
         self._fetched: dict[int, np.ndarray] = {}
+        self._digests: dict[int, int] = {}  # block -> digest verified when `fetch` read it
         self.evictions = [0] * len(self.backends)  # blocks each tier gave up by policy decision, so far
 
     def _intern(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -63,10 +67,12 @@ class TieredStore:
         for j, tier in enumerate(tiers):
             by_tier[tier].append(j)
         loaded: dict[int, np.ndarray | None] = {}
+        verified: dict[int, int | None] = {}
         for tier, positions in by_tier.items():
-            got = self.backends[tier].get_many([keys[j] for j in positions],
-                                               None if out is None else [out[j] for j in positions])
+            got, digests = self.backends[tier].read_verified([keys[j] for j in positions],
+                                                             None if out is None else [out[j] for j in positions])
             loaded.update(zip(positions, got))
+            verified.update(zip(positions, digests))
         payloads, names, corrupt = [], [], 0
         for j, tier in enumerate(tiers):
             data = loaded[j]
@@ -77,6 +83,7 @@ class TieredStore:
             payloads.append(data)
             names.append(self.backends[tier].name)
         self._fetched = {ids[j]: p for j, p in enumerate(payloads)}
+        self._digests = {ids[j]: verified[j] for j in range(len(payloads)) if verified[j] is not None}
         return FetchResult(len(payloads), tuple(payloads), tuple(names), corrupt)
 
     def commit(self, keys: Sequence[BlockKey], new_payloads: Sequence[np.ndarray | None], ctx: RequestContext) -> None:
@@ -87,7 +94,11 @@ class TieredStore:
         """
         ids = self._intern(keys)
         payload = dict(self._fetched)
-        payload.update((ids[j], p) for j, p in enumerate(new_payloads) if p is not None)
+        digests = dict(self._digests)
+        for j, p in enumerate(new_payloads):
+            if p is not None:  # computed by this request: no digest yet
+                payload[ids[j]] = p
+                digests.pop(ids[j], None)
         ids = [i for i in ids if i in payload or self.hierarchy.locate(i) == 0]
         result = self.hierarchy.serve(ids, ctx)
         for _, src, _ in result.demoted:
@@ -100,27 +111,31 @@ class TieredStore:
         for block, src, dst in result.demoted:
             moves[(src, dst)].append(block)
         for (src, dst), blocks in sorted(moves.items(), reverse=True):  # empty deeper tiers before filling them
-            self._move(blocks, src, dst, payload)
+            self._move(blocks, src, dst, payload, digests)
         top, top_backend = self.hierarchy.policies[0], self.backends[0]
         fresh = [b for b in ids if b in top and b in payload]
         have = top_backend.contains([self._keys[b] for b in fresh])
-        self._put(0, [b for b, present in zip(fresh, have) if not present], payload)
-        self._fetched = {}
+        self._put(0, [b for b, present in zip(fresh, have) if not present], payload, digests)
+        self._fetched, self._digests = {}, {}
 
-    def _move(self, blocks: list[int], src: int, dst: int, payload: dict[int, np.ndarray]) -> None:
-        """Copy blocks from tier src to tier dst (bytes from this request when it has them)."""
+    def _move(self, blocks: list[int], src: int, dst: int, payload: dict[int, np.ndarray],
+              digests: dict[int, int]) -> None:
+        """Copy blocks from tier src to tier dst (bytes from this request when it has them), digests along."""
         from_backend = [b for b in blocks if b not in payload]
-        got = dict(zip(from_backend, self.backends[src].get_many([self._keys[b] for b in from_backend])))
-        carried = {b: payload[b] if b in payload else got[b] for b in blocks}
+        got, verified = self.backends[src].read_verified([self._keys[b] for b in from_backend])
+        carried = {b: payload.get(b) for b in blocks} | dict(zip(from_backend, got))
+        known = {b: digests[b] for b in blocks if b in digests} | \
+            {b: d for b, d in zip(from_backend, verified) if d is not None}
         readable = {b: d for b, d in carried.items() if d is not None}
-        self._put(dst, list(readable), readable)
+        self._put(dst, list(readable), readable, known)
         self.hierarchy.policies[dst].discard([b for b in blocks if b not in readable])  # unreadable: gone
         self.backends[src].delete([self._keys[b] for b in blocks])
 
-    def _put(self, tier: int, blocks: list[int], payload: dict[int, np.ndarray]) -> None:
+    def _put(self, tier: int, blocks: list[int], payload: dict[int, np.ndarray], digests: dict[int, int]) -> None:
         if not blocks:
             return
-        ok = self.backends[tier].put_many([(self._keys[b], payload[b]) for b in blocks])
+        ok = self.backends[tier].put_many([(self._keys[b], payload[b]) for b in blocks],
+                                          [digests.get(b) for b in blocks])
         self.hierarchy.policies[tier].discard([b for b, good in zip(blocks, ok) if not good])
 
     def _delete_everywhere(self, blocks: Sequence[int]) -> None:
