@@ -46,11 +46,16 @@ def interleaved(pairs: list[tuple], repeat: int) -> list[float]:
 
     Running backend and reference alternately (not one after the other) lets both
     see the same moments of this shared VM, whose bandwidth swings 2x within seconds.
-    `setup` runs untimed before its fn (pfs: remove the files the last put wrote).
+    Each round starts one pair later, so none always runs right after the same other
+    one (which warms or cools the caches it uses): a fixed order had put the same
+    copy 15-20% apart depending on its place. `setup` runs untimed before its fn
+    (pfs: remove the files the last put wrote).
     """
     best = [float("inf")] * len(pairs)
-    for _ in range(repeat):
-        for i, (fn, setup) in enumerate(pairs):
+    for round_ in range(repeat):
+        for j in range(len(pairs)):
+            i = (round_ + j) % len(pairs)
+            fn, setup = pairs[i]
             if setup is not None:
                 setup()
             t0 = time.perf_counter()

@@ -404,6 +404,9 @@ def test_pfs_sums_on_another_core_and_stores_a_batch_duplicate_once(tmp_path: Pa
     pfs.path_for(ks[1]).write_bytes(bytes(raw))
     assert pfs.get_many(ks[1:2]) == [None] and not pfs.path_for(ks[1]).exists()
     assert sorted(p.name for p in tmp_path.rglob(".*.tmp")) == []  # no temp file left behind
+    with pytest.raises(ValueError, match=r"pfs: out\[1\] holds 4096 bytes"):  # too small: an error, not a miss
+        pfs.get_many([ks[0], ks[2]], [out[0], np.empty(4096, dtype=np.uint8)])
+    assert pfs.contains([ks[2]]) == [True] and pfs.stats()["corrupt"] == 1  # the shared file is still there
 
 
 def test_old_format_pfs_files_are_misses(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ class PFSBackend(StorageBackend):
         for i, key in enumerate(keys):
             file = self._file(key)
             try:
-                dst, digest = self._read(file, None if out is None else out[i])
+                dst, digest = self._read(file, None if out is None else out[i], f"out[{i}]")
             except FileNotFoundError:
                 self._stats.misses += 1
                 results.append(None)
@@ -155,9 +155,10 @@ class PFSBackend(StorageBackend):
             os.close(fd)
 
     @staticmethod
-    def _read(file: str, out: np.ndarray | None) -> tuple[np.ndarray | None, int]:
+    def _read(file: str, out: np.ndarray | None, name: str = "out") -> tuple[np.ndarray | None, int]:
         """Header, then the payload straight into `out`, summed as it lands; (payload or None when the file
-        fails any check, its header's digest)."""
+        fails any check, its header's digest). An `out` too small for the block is the caller's mistake,
+        not the file's: a ValueError, and the file stays (it was dropped as corrupt before)."""
         try:
             fd = os.open(file, os.O_RDONLY)
         except FileNotFoundError:
@@ -166,8 +167,10 @@ class PFSBackend(StorageBackend):
             return None, 0
         try:
             length = os.fstat(fd).st_size - HEADER.size
-            if length < 0 or (out is not None and out.nbytes < length):
+            if length < 0:
                 return None, 0
+            if out is not None and out.nbytes < length:
+                raise ValueError(f"pfs: {name} holds {out.nbytes} bytes, its block has {length}")
             header = os.pread(fd, HEADER.size, 0)
             if len(header) != HEADER.size:
                 return None, 0
