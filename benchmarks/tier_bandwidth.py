@@ -33,11 +33,14 @@ from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
 from kvcluster.storage import (NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, checksum, cxl_backend, dram_backend,
                                hbm_backend)
-from kvcluster.storage.aligned import aligned_host_tensor
+from kvcluster.storage.aligned import aligned_empty, aligned_host_tensor
 
 MAX_BLOCK = 2 << 20  # one 16-token block of Llama-3.1-8B in bf16: 32 layers x 2 x 8 heads x 16 x 128 x 2 B
 BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("hbm", "dram", "cxl", "nvme", "pfs", "rdma")
+# opt-in: rdma with payloads and landing buffers outside registered memory (RdmaTierActor's puts and gets, whose
+# payloads come from and go to the Ray object store): the staging copy's price against the same raw transfer
+EXTRA = ("rdma-staged",)
 BLOCK = MAX_BLOCK  # set per batch: min(batch, MAX_BLOCK)
 
 
@@ -155,11 +158,15 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     keys = space.chain_hash_ids(list(range(n)), cache_salt=str(nbytes))
     sub.mkdir(parents=True, exist_ok=True)
     gc.collect()  # one case alive at a time: the last one's threads, NIXL agents and buffers are gone
-    if name == "rdma":
+    if name.startswith("rdma"):
         backend = RDMABackend(NixlPeerPool(n, BLOCK), nbytes, n)
         backend.register(source)  # payloads and landing buffers in registered memory: no staging copy
         backend.register(landing)
         ref_put, ref_get = ref_nixl(backend, source, landing, first_slot=0)  # the backend's own slots
+        if name == "rdma-staged":  # the same bytes from and into plain memory: through the staging buffer
+            blocks, out = [aligned_empty(BLOCK) for _ in range(n)], [aligned_empty(BLOCK) for _ in range(n)]
+            for b, row in zip(blocks, source.numpy()):
+                b[:] = row
     elif name == "nvme":
         backend = NVMeBackend(sub / "nvme", n, BLOCK)
         ref_put, ref_get = ref_posix(sub, blocks, out, backend.direct)
@@ -216,14 +223,15 @@ def main() -> int:
     parser.add_argument("--repeat", type=positive_int, default=5, help="rounds per trial; each trial keeps its best")
     parser.add_argument("--trials", type=positive_int, default=3,
                         help="fresh allocations per backend and batch; the median trial is reported")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS))
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated subset of " + ",".join(BACKENDS + EXTRA) + " (the last is opt-in)")
     parser.add_argument("--batches-kib", default=",".join(str(b >> 10) for b in BATCHES),
                         help="comma-separated batch sizes in KiB")
     args = parser.parse_args()
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(wanted) - set(BACKENDS))
+    unknown = sorted(set(wanted) - set(BACKENDS + EXTRA))
     if unknown or not wanted:
-        parser.error(f"--backends: unknown backend(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(BACKENDS)}")
+        parser.error(f"--backends: unknown backend(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(BACKENDS + EXTRA)}")
     try:
         batches = [int(b) << 10 for b in args.batches_kib.split(",") if b.strip()]
     except ValueError:
@@ -236,7 +244,7 @@ def main() -> int:
     global BLOCK
     for nbytes in batches:
         BLOCK = min(nbytes, MAX_BLOCK)
-        for name in (name for name in BACKENDS if name in wanted):
+        for name in (name for name in BACKENDS + EXTRA if name in wanted):
             trials = [measure(name, nbytes, root / f"b{nbytes}-t{t}", space, args.repeat) for t in range(args.trials)]
             rows.append(summarize(name, nbytes, trials))
     if args.json:
