@@ -123,9 +123,9 @@ def test_batch_workers_drain_does_not_wait_for_a_late_lane() -> None:
     """A lane that has not started when the work runs out is cancelled: the caller took its share."""
     workers = BatchWorkers(2)
     gate = workers._executor().submit(time.sleep, 0.3)  # the only pool thread is busy: lane 1 cannot start
-    t0 = time.perf_counter()
     assert workers.drain(lambda g, k: g, 4, 2) == [0, 0, 0, 0]
-    assert time.perf_counter() - t0 < 0.25 and not gate.done()
+    assert not gate.done()  # drain returned without waiting for the pool thread (it would start after the gate)
+    gate.result()
 
 
 def test_batch_workers_drain_finishes_what_started_before_raising() -> None:

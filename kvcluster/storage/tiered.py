@@ -122,7 +122,8 @@ class TieredStore:
               digests: dict[int, int]) -> None:
         """Copy blocks from tier src to tier dst (bytes from this request when it has them), digests along."""
         from_backend = [b for b in blocks if b not in payload]
-        got, verified = self.backends[src].read_verified([self._keys[b] for b in from_backend])
+        got, verified = self.backends[src].read_verified([self._keys[b] for b in from_backend]) if from_backend \
+            else ([], [])  # nothing to read: no call (for an rdma tier, a control call to its peer)
         carried = {b: payload.get(b) for b in blocks} | dict(zip(from_backend, got))
         known = {b: digests[b] for b in blocks if b in digests} | \
             {b: d for b, d in zip(from_backend, verified) if d is not None}
