@@ -7,9 +7,9 @@ I/O path, best first, and reported in `medium`:
 Page-aligned buffers (tier pools' rows, blocks this package's reads return: see
 `aligned`) go to and from the disk in place, their checksums summed on another
 core meanwhile. Other buffers pass through two aligned staging buffers: while
-one block is on its way to or from the disk, another core copies the previous
-one (checksum summed in the copy), so a batch costs about its I/O time, not I/O
-plus copies.
+one block is on its way to or from the disk, another core copies the next one in
+(or the previous one out), checksum summed in the copy, so a batch costs about
+its I/O time, not I/O plus copies. A stage is written only once its copy is over.
 The slot index lives in memory: the tier is a cache, a restart starts it empty.
 """
 
@@ -98,8 +98,8 @@ class NVMeBackend(SlottedBackend):
                  digests: Sequence[int | None] | None = None) -> list[bool]:
         """Aligned payloads (a tier pool's rows) are written in place, their digests summed on another
         core meanwhile (or taken as given: no pass at all); others are copied into a staging buffer
-        (summed on the way, and refused if that differs from a given digest) while the previous one is
-        written. A key given twice in a batch stores its last payload."""
+        (summed on the way, and refused if that differs from a given digest), the next one copied while
+        this one is written. A key given twice in a batch stores its last payload."""
         ok = [False] * len(items)
         given = given_digests(digests, len(items))
         views = [np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) for _, data in items]
@@ -117,7 +117,10 @@ class NVMeBackend(SlottedBackend):
     def _store(self, key: BlockKey, buffer, nbytes: int, write_bytes: int, digest: Callable[[], int],
                expected: int | None = None) -> bool:
         """One block to a free slot: written, then committed with its digest; a failed write, or a digest
-        other than the `expected` one the payload came with, leaves a miss."""
+        other than the `expected` one the payload came with, leaves a miss.
+
+        `buffer` must already hold the block's final bytes: the write starts at once. `digest` may
+        still be running on another core (it only reads); it is waited for before the commit."""
         slot = self.table.allocate(key)
         written = slot is not None and self._write(buffer, write_bytes, slot * self.slot_bytes) == write_bytes
         summed = digest()  # a summing thread must be done with the buffer before the caller gets it back
@@ -154,9 +157,10 @@ class NVMeBackend(SlottedBackend):
 
         fill(0)
         for j, i in enumerate(order):
-            fill(j + 1)
-            ok[i] = self._store(items[i][0], self._stages[j % 2], views[i].nbytes, self.slot_bytes, fills.pop(j),
-                                given[i])
+            summed = fills.pop(j)()  # the stage holds this block only once its copy is over: then write it
+            fill(j + 1)  # the next copy fills the other stage while this one is on its way to the disk
+            ok[i] = self._store(items[i][0], self._stages[j % 2], views[i].nbytes, self.slot_bytes,
+                                lambda d=summed: d, given[i])
 
     def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
                       ) -> tuple[list[np.ndarray | None], list[int | None]]:
