@@ -72,10 +72,12 @@ class StorageBackend(ABC):
         tier it was just read from (a demotion, see `read_verified`).
 
         Why: the digest travels with the bytes, end to end, as ZFS's block pointers carry theirs.
-        A backend that copies the payload anyway compares the sum of its copy with the given digest
-        and refuses a payload that changed since it was verified; one that would need a pass of its
-        own to sum it (a DMA-style write, a file written in place) stores the given digest instead,
-        and a payload that changed is then caught by the read that verifies it: a miss, never wrong KV.
+        A True is what lets a mover drop its source copy, so it must mean "these verified bytes are
+        here": a backend compares the sum of what it stores (summed in its copy, or on another core
+        while a file is written in place) with the given digest and refuses a payload that changed
+        since it was verified. Only a DMA-style write from registered memory, which would need a
+        pass of its own, stores the given digest unchecked; a payload that changed is then caught by
+        the read that verifies it: a miss, never wrong KV.
         """
 
     def get_many(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray | None]:

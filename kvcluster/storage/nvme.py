@@ -97,7 +97,7 @@ class NVMeBackend(SlottedBackend):
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
                  digests: Sequence[int | None] | None = None) -> list[bool]:
         """Aligned payloads (a tier pool's rows) are written in place, their digests summed on another
-        core meanwhile (or taken as given: no pass at all); others are copied into a staging buffer
+        core meanwhile (and refused if that differs from a given digest); others are copied into a staging buffer
         (summed on the way, and refused if that differs from a given digest), the next one copied while
         this one is written. A key given twice in a batch stores its last payload."""
         ok = [False] * len(items)
@@ -139,12 +139,11 @@ class NVMeBackend(SlottedBackend):
 
     def _put_in_place(self, items, views: list[np.ndarray], given: list[int | None], order: list[int],
                       ok: list[bool]) -> None:
-        unknown = [i for i in order if given[i] is None]  # the others' digests came with them: nothing to sum
-        summed = dict(zip(unknown, self._workers.ahead(checksum, [views[i] for i in unknown],
-                                                      sum(views[i].nbytes for i in unknown))))
-        for i in order:
-            digest = summed.get(i) or (lambda d=given[i]: d)
-            ok[i] = self._store(items[i][0], views[i], views[i].nbytes, views[i].nbytes, digest)
+        # summed on another core while this one writes; a given digest is checked against the sum before the
+        # put is acknowledged, so a caller that drops its copy on our True never drops the only good one
+        summed = self._workers.ahead(checksum, [views[i] for i in order], sum(views[i].nbytes for i in order))
+        for i, digest in zip(order, summed):
+            ok[i] = self._store(items[i][0], views[i], views[i].nbytes, views[i].nbytes, digest, given[i])
 
     def _put_staged(self, items, views: list[np.ndarray], given: list[int | None], order: list[int],
                     ok: list[bool]) -> None:

@@ -67,8 +67,8 @@ class PFSBackend(StorageBackend):
 
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
                  digests: Sequence[int | None] | None = None) -> list[bool]:
-        """Each new block to a temp file renamed into place; a given digest goes into the header as it is
-        (the read that verifies it catches a payload that changed), others are summed on another core."""
+        """Each new block to a temp file renamed into place, summed on another core while it is written; a
+        payload whose sum differs from its given digest changed since it was verified and is refused."""
         ok = [False] * len(items)
         given = given_digests(digests, len(items))
         todo: list[tuple[int, str, memoryview]] = []
@@ -85,15 +85,17 @@ class PFSBackend(StorageBackend):
                 todo.append((i, file, view))
                 batch.add(file)
                 room -= view.nbytes
-        # digests not given are summed on another core while this thread writes the payloads
-        unknown = [(i, view) for i, _, view in todo if given[i] is None]
-        summed = dict(zip([i for i, _ in unknown], self._workers.ahead(
-            checksum, [view for _, view in unknown], sum(view.nbytes for _, view in unknown))))
-        for i, file, view in todo:
-            digest = summed.get(i) or (lambda d=given[i]: d)
+        # summed on another core while this thread writes the payloads; a given digest must match the sum
+        # before the file is renamed into place (the caller may drop its own copy on our True)
+        summed = self._workers.ahead(checksum, [view for _, _, view in todo], sum(view.nbytes for _, _, view in todo))
+        for (i, file, view), digest in zip(todo, summed):
             tmp = f"{os.path.dirname(file)}/.{os.path.basename(file)}.{os.urandom(8).hex()}.tmp"
             try:
-                self._write(tmp, view, digest)
+                if not self._write(tmp, view, digest, given[i]):
+                    os.unlink(tmp)
+                    self._stats.put_failures += 1
+                    self._stats.digest_mismatches += 1
+                    continue
                 os.replace(tmp, file)
             except OSError:  # no space, read-only or vanished mount: this block stays a miss
                 try:
@@ -136,8 +138,9 @@ class PFSBackend(StorageBackend):
             results.append(dst)
         return results, verified
 
-    def _write(self, tmp: str, view: memoryview, digest: Callable[[], int]) -> None:
-        """A new temp file: the payload after the header's place, then the header once the digest is in."""
+    def _write(self, tmp: str, view: memoryview, digest: Callable[[], int], expected: int | None) -> bool:
+        """A new temp file: the payload after the header's place, then the header once the digest is in.
+        False (no header written) when the payload's sum differs from the `expected` digest it came with."""
         directory = os.path.dirname(tmp)
         if directory not in self._dirs:
             os.makedirs(directory, exist_ok=True)
@@ -150,7 +153,11 @@ class PFSBackend(StorageBackend):
                 if wrote == 0:
                     raise OSError(errno.ENOSPC, "no space left for the block file")
                 done += wrote
-            os.pwrite(fd, HEADER.pack(MAGIC, VERSION, view.nbytes, digest()), 0)
+            summed = digest()
+            if expected is not None and summed != expected:
+                return False
+            os.pwrite(fd, HEADER.pack(MAGIC, VERSION, view.nbytes, summed), 0)
+            return True
         finally:
             os.close(fd)
 
