@@ -153,7 +153,8 @@ def test_full_pools_refuse_and_leave_a_miss(tmp_path: Path) -> None:
         backend.check_integrity()
 
 
-def test_flipped_byte_on_disk_is_a_miss(tmp_path: Path) -> None:
+def test_flipped_byte_on_disk_is_a_miss(tmp_path: Path, caplog) -> None:
+    caplog.set_level("WARNING", logger="kvcluster.storage")
     data = payloads(torch.bfloat16, 1)[0]
     k = keys(1)[0]
     nvme = NVMeBackend(tmp_path / "n", 4, 1 << 14)
@@ -174,6 +175,10 @@ def test_flipped_byte_on_disk_is_a_miss(tmp_path: Path) -> None:
     raw[-7] ^= 0x01
     path.write_bytes(bytes(raw))
     assert pfs.get_many([k]) == [None] and not path.exists()
+    assert pfs.get_many([k]) == [None]  # dropped: a plain miss now, not logged again
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcluster.storage"]
+    assert lines == [f"nvme: block {bytes(k).hex()} read as corrupt and dropped (checksum mismatch)",
+                     f"pfs: block {bytes(k).hex()} read as corrupt and dropped (checksum mismatch)"]
 
 
 def _pfs_writer(root: str, race_keys: list[bytes], fill: int) -> None:

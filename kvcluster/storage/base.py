@@ -10,6 +10,7 @@ miss; nothing half-written is ever served.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -21,6 +22,7 @@ from ..keys import BlockKey
 from .copyhash import hash_bytes
 
 Payload = bytes | bytearray | memoryview | np.ndarray
+log = logging.getLogger("kvcluster.storage")
 
 
 class StorageError(KvclusterError):
@@ -64,6 +66,15 @@ class StorageBackend(ABC):
     name: str
     medium: str  # what actually holds the bytes here, e.g. "posix-odirect file", "DRAM (emulated CXL)"
     emulated: bool = False  # True when a stand-in replaces the real medium
+    _stats: BackendStats
+
+    def _dropped_corrupt(self, key: BlockKey, reason: str) -> None:
+        """Count and log one block that failed its read (it is dropped, so each is logged once).
+
+        Why a log line each: a corrupt read is a miss to the caller, so nothing else would ever
+        show which tier lost which block, and why."""
+        self._stats.corrupt += 1
+        log.warning("%s: block %s read as corrupt and dropped (%s)", self.name, bytes(key).hex(), reason)
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]],

@@ -124,7 +124,7 @@ class MemoryPoolBackend(SlottedBackend):
             if entry is None:
                 self._stats.misses += 1
             elif not intact[i]:
-                self._stats.corrupt += 1
+                self._dropped_corrupt(key, "checksum mismatch")
                 self.table.release(key)
                 results[i] = None
             else:

@@ -32,6 +32,8 @@ from .parallel import BatchWorkers
 from .slab import SlotTable
 
 ALIGN = 4096
+SHORT_READ = "short read or I/O error"
+MISMATCH = "checksum mismatch"
 
 
 def _cuda_driver_present() -> bool:
@@ -179,41 +181,43 @@ class NVMeBackend(SlottedBackend):
         direct = {i: self._in_place(results[i]) for i in present}
         outcomes = (self._get_in_place(entries, results, [i for i in present if direct[i]])
                     + self._get_staged(entries, results, [i for i in present if not direct[i]]))
-        for i, intact in outcomes:
-            if intact:
+        for i, fault in outcomes:
+            if fault is None:
                 self._stats.gets += 1
                 self._stats.get_bytes += entries[i].length
             else:  # unreadable, or what landed in `out[i]` does not match: not handed out, a miss
                 results[i] = None
-                self._stats.corrupt += 1
+                self._dropped_corrupt(keys[i], fault)
                 self.table.release(keys[i])
         return results, [e.checksum if r is not None else None for e, r in zip(entries, results)]
 
-    def _get_in_place(self, entries, results, order: list[int]) -> list[tuple[int, bool]]:
+    def _get_in_place(self, entries, results, order: list[int]) -> list[tuple[int, str | None]]:
+        """(i, None) for each block read intact, (i, why) for each that was not."""
         background = self._workers.worth(sum(entries[i].length for i in order))
         checks = []
         for i in order:
             entry = entries[i]
             if self._read(results[i], entry.length, entry.slot * self.slot_bytes) != entry.length:
-                checks.append((i, lambda: False))
+                checks.append((i, lambda: SHORT_READ))
                 continue
             checks.append((i, self._workers.start(background, lambda data=results[i], digest=entry.checksum:
-                                                   checksum(data) == digest)))
+                                                   None if checksum(data) == digest else MISMATCH)))
         return [(i, check()) for i, check in checks]
 
-    def _get_staged(self, entries, results, order: list[int]) -> list[tuple[int, bool]]:
+    def _get_staged(self, entries, results, order: list[int]) -> list[tuple[int, str | None]]:
         background = self._workers.worth(sum(entries[i].length for i in order))
-        checks: dict[int, Callable[[], bool]] = {}
+        checks: dict[int, Callable[[], str | None]] = {}
         outcomes = []
 
-        def check(stage: int, i: int) -> bool:
-            return copy_hash(results[i], self._stage_views[stage][: entries[i].length]) == entries[i].checksum
+        def check(stage: int, i: int) -> str | None:
+            landed = copy_hash(results[i], self._stage_views[stage][: entries[i].length])
+            return None if landed == entries[i].checksum else MISMATCH
 
         for j, i in enumerate(order):
             if j - 2 in checks:
                 outcomes.append((order[j - 2], checks.pop(j - 2)()))  # its stage is needed again
             if self._read(self._stages[j % 2], self.slot_bytes, entries[i].slot * self.slot_bytes) != self.slot_bytes:
-                outcomes.append((i, False))
+                outcomes.append((i, SHORT_READ))
                 continue
             checks[j] = self._workers.start(background, check, j % 2, i)
         outcomes += [(order[j], checks[j]()) for j in sorted(checks)]

@@ -118,7 +118,7 @@ class PFSBackend(StorageBackend):
         for i, key in enumerate(keys):
             file = self._file(key)
             try:
-                dst, digest = self._read(file, None if out is None else out[i], f"out[{i}]")
+                dst, digest, fault = self._read(file, None if out is None else out[i], f"out[{i}]")
             except FileNotFoundError:
                 self._stats.misses += 1
                 results.append(None)
@@ -126,7 +126,7 @@ class PFSBackend(StorageBackend):
                 continue
             verified.append(digest if dst is not None else None)
             if dst is None:
-                self._stats.corrupt += 1
+                self._dropped_corrupt(key, fault)
                 try:
                     os.unlink(file)
                 except OSError:  # gone already, or a read-only mount: the bad file stays a miss on every read
@@ -162,35 +162,39 @@ class PFSBackend(StorageBackend):
             os.close(fd)
 
     @staticmethod
-    def _read(file: str, out: np.ndarray | None, name: str = "out") -> tuple[np.ndarray | None, int]:
+    def _read(file: str, out: np.ndarray | None, name: str = "out") -> tuple[np.ndarray | None, int, str]:
         """Header, then the payload straight into `out`, summed as it lands; (payload or None when the file
-        fails any check, its header's digest). An `out` too small for the block is the caller's mistake,
-        not the file's: a ValueError, and the file stays (it was dropped as corrupt before)."""
+        fails a check, its header's digest, what failed). An `out` too small for the block is the caller's
+        mistake, not the file's: a ValueError, and the file stays (it was dropped as corrupt before)."""
         try:
             fd = os.open(file, os.O_RDONLY)
         except FileNotFoundError:
             raise
-        except OSError:
-            return None, 0
+        except OSError as exc:
+            return None, 0, f"cannot open: {exc.strerror}"
         try:
             length = os.fstat(fd).st_size - HEADER.size
             if length < 0:
-                return None, 0
+                return None, 0, "shorter than its header"
             if out is not None and out.nbytes < length:
                 raise ValueError(f"pfs: {name} holds {out.nbytes} bytes, its block has {length}")
             header = os.pread(fd, HEADER.size, 0)
             if len(header) != HEADER.size:
-                return None, 0
+                return None, 0, "short header read"
             magic, version, stored_length, digest = HEADER.unpack(header)
             if (magic, version, stored_length) != (MAGIC, VERSION, length):
-                return None, 0
+                return None, 0, "bad header (magic, version or length)"
             dst = out[:length] if out is not None else aligned_empty(length)
             got, landed = pread_hash(fd, dst, HEADER.size)
-        except OSError:
-            return None, 0
+        except OSError as exc:
+            return None, 0, f"I/O error: {exc.strerror}"
         finally:
             os.close(fd)
-        return (dst if got == length and landed == digest else None), digest
+        if got != length:
+            return None, digest, "short read"
+        if landed != digest:
+            return None, digest, "checksum mismatch"
+        return dst, digest, ""
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [os.path.isfile(self._file(key)) for key in keys]

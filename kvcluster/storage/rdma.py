@@ -528,7 +528,8 @@ class RDMABackend(StorageBackend):
         self._stats.gets += len(good)
         self._stats.get_bytes += sum(entries[i][1] for i in good)
         if corrupt:
-            self._stats.corrupt += len(corrupt)
+            for i in corrupt:
+                self._dropped_corrupt(keys[i], "checksum mismatch after the transfer")
             try:
                 self.peer.release([bytes(keys[i]) for i in corrupt])
             except PeerUnavailable:
