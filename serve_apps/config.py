@@ -44,6 +44,12 @@ class ServeAppConfig(BaseModel):
     replica_retries: int = Field(1, ge=0, description="Times a request is re-sent when its replica dies before "
                                                       "the first token (output is deterministic per request).")
     default_chat_max_tokens: int = Field(256, ge=1)
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body accepted (bytes); larger "
+                                   "ones get 413 from their Content-Length (or as they stream), before any work.")
+    request_body_timeout_s: float = Field(30.0, gt=0, description="A request body must arrive within this; "
+                                          "slower senders get 408.")
+    tokenizer_threads: int = Field(2, ge=1, description="Threads that tokenize and render chat prompts, off the "
+                                   "ingress's event loop.")
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth "
                                                                   "(KVCLUSTER_API_KEYS=comma,separated also works).")
     root_seed: str = Field("kvcluster-v1", description="Block-key root; every node and replica must agree.")

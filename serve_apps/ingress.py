@@ -8,7 +8,6 @@ ending in `[DONE]`. Every client mistake is a 4xx with an OpenAI error body.
 
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -24,21 +23,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.cluster import node_ids
 from actors.index_actor import INDEX_NAME, NAMESPACE
 from kvcluster.keys import KeySpace
-from kvcluster.serving.chat import render_chat, reusable_segments
+from kvcluster.serving.chat import reusable_segments
 from kvcluster.serving.models import model_fingerprint, load_model_tokenizer
 from kvcluster.model_spec import load_model_spec
 
 from actors import metrics
 
 from .config import ServeAppConfig
+from .guard import TENANT_SCOPE_KEY, GuardSettings, RequestGuard, authenticate
 from .metrics_middleware import RequestMetrics
+from .prompt_encoder import PromptEncoder, PromptTooLong
 from .protocol import (ChatCompletionRequest, CompletionRequest, chat_body, chat_chunk, completion_body, error_body,
                        new_id, usage)
 from .replica import cache_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvcluster OpenAI-compatible API")
-app.add_middleware(RequestMetrics)
+app.add_middleware(RequestGuard)  # inner: key and body size, before the body is read
+app.add_middleware(RequestMetrics)  # outer: counts what the guard refuses too
 
 
 class APIError(Exception):
@@ -135,7 +137,9 @@ class OpenAIIngress:
         self._keyspace_confirmed = False
         self._keyspace_asked_at = float("-inf")
         self._keyspace_task: asyncio.Task | None = None
-        self.api_keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in self.cfg.keys()}
+        self.api_keys = tuple(self.cfg.keys())
+        app.state.guard = GuardSettings(self.cfg.max_request_bytes, self.cfg.request_body_timeout_s, self.api_keys)
+        self.encoder = PromptEncoder(self.tokenizer, self.window, self.cfg.tokenizer_threads)
         self.cluster = cache_cluster(self.cfg)
         self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None
         self._node_ids: dict[str, str] = {}
@@ -161,7 +165,7 @@ class OpenAIIngress:
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise APIError(400, "prompt is empty", param="prompt")
-            ids = self.tokenizer.encode(body.prompt)
+            ids = await self._encode(self.encoder.encode(body.prompt))
         else:
             ids = list(body.prompt)
             if not ids:
@@ -184,7 +188,7 @@ class OpenAIIngress:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = self._tenant(request)
         self._check_common(body)
-        ids, spans = render_chat(self.tokenizer, body.messages)
+        ids, spans = await self._encode(self.encoder.render(body.messages))
         segments = reusable_segments(body.messages, spans)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = self._max_tokens(len(ids), asked, "max_completion_tokens" if body.max_completion_tokens
@@ -203,16 +207,22 @@ class OpenAIIngress:
     # ---- helpers ---------------------------------------------------------------------------------------
 
     def _tenant(self, request: Request) -> str:
-        """The tenant (a hash of the API key), or "" when auth is off."""
+        """The tenant (a hash of the API key) the guard authenticated, or "" when auth is off."""
         if not self.api_keys:
             return ""
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        tenant = hashlib.sha256(key.encode()).hexdigest()[:16]
-        if tenant not in self.api_keys or self.api_keys[tenant] != key:
+        tenant = request.scope.get(TENANT_SCOPE_KEY) or authenticate(request.headers.get("authorization", ""),
+                                                                     self.api_keys)
+        if tenant is None:
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key", kind="authentication_error")
         return tenant
+
+    async def _encode(self, work):
+        """Await tokenization (in the encoder's pool); a text that cannot fit the window is a 400 naming it."""
+        try:
+            return await work
+        except PromptTooLong as exc:
+            raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
 
     def _check_common(self, body) -> None:
         if body.model != self.cfg.name:
