@@ -10,6 +10,7 @@ from kvcluster.cluster_config import ClusterConfig, NodeEntry
 from kvcluster.errors import ConfigError, KvclusterError
 from kvcluster.model_spec import load_model_spec
 from kvcluster.storage.layout import layout_for
+from kvcluster.tiers import TIER_ORDER
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE
@@ -66,8 +67,11 @@ def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
     slot_bytes = cfg.block_bytes()
     started, tiers, handles = [], [], []
     for node in cfg.nodes:
-        for t in node.tiers:
-            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path)
+        order = sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.tier))
+        below = [actor_name(node.name, t.tier) for t in order][1:] + [None]  # each tier overflows into the next
+        for t, overflow in zip(order, below):
+            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path,
+                                 overflow=overflow)
             handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
             started.append(actor_name(node.name, t.tier))
             tiers.append((node.name, t.tier))

@@ -102,6 +102,12 @@ def bytes_moved() -> Counter:
 
 
 @lru_cache(maxsize=None)
+def overflows() -> Counter:
+    return Counter("kvcluster_overflows", "New blocks a full tier handed to the next tier down on its node "
+                   "(written through before the placement controller made room).", tag_keys=("node", "tier"))
+
+
+@lru_cache(maxsize=None)
 def evictions() -> Counter:
     return Counter("kvcluster_evictions", "Blocks leaving a tier by policy decision (unit=block), and the head "
                    "shards they take with them (unit=head_shard: kv heads per block, 1 for an MLA latent; the live "

@@ -37,6 +37,8 @@ class TierActorConfig(BaseModel):
     slots: int = Field(gt=0, description="Blocks the tier holds (pfs: capacity in blocks).")
     slot_bytes: int = Field(gt=0, description="Bytes per block payload.")
     path: str | None = Field(None, description="Directory for nvme and pfs.")
+    overflow: str | None = Field(None, description="Actor name of the next tier down on this node: new blocks "
+                                 "this tier has no room for go there instead of being dropped.")
 
 
 def actor_name(node: str, tier: str) -> str:
@@ -75,12 +77,34 @@ class TierActor:
                 self.index.stored.remote(self.cfg.node, "pfs", held[i : i + 4096])
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
-                 prefetch: bool = False, digests: list[int | None] | None = None) -> list[bool]:
+                 prefetch: bool = False, digests: list[int | None] | None = None,
+                 overflow: bool = False) -> list[bool]:
         """Store blocks; `prefetch`: the placement controller promoted them here ahead of use; `digests`:
-        the checksums the tier they were read from verified (see `StorageBackend.put_many`)."""
+        the checksums the tier they were read from verified (see `StorageBackend.put_many`).
+
+        `overflow`: blocks this tier refuses (full until the next placement round) are handed to the
+        next tier down on this node in one fire-and-forget call, which may hand them on in turn. Why:
+        a replica's write-through is its only copy beyond its own hbm, and a burst of new blocks
+        larger than the room between high water and full would otherwise be lost. A mover (the
+        placement controller) passes False: it keeps its source when a put is refused."""
         ok = self.backend.put_many(list(zip(keys, payloads)), digests)
         self._stored(keys, ok, pairs, prefetch)
+        refused = [i for i, good in enumerate(ok) if not good]
+        if overflow and refused and self.cfg.overflow is not None:
+            self._overflow([keys[i] for i in refused], [payloads[i] for i in refused],
+                           None if pairs is None else [pairs[i] for i in refused],
+                           None if digests is None else [digests[i] for i in refused])
         return ok
+
+    def _overflow(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None,
+                  digests: list[int | None] | None) -> None:
+        try:
+            below = ray.get_actor(self.cfg.overflow, namespace=NAMESPACE)
+        except ValueError:  # the tier below is gone: these blocks stay misses
+            metrics.faults().inc(len(keys), {"component": self._where, "kind": "overflow_lost"})
+            return
+        below.put_many.remote(keys, payloads, pairs, False, digests, True)
+        metrics.overflows().inc(len(keys), {"node": self.cfg.node, "tier": self.cfg.tier})
 
     def _stored(self, keys: list[bytes], ok: list[bool], pairs: list[int] | None, prefetch: bool) -> None:
         """Tell the index (one call), count refusals, track prefetches, report bytes."""

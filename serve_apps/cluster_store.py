@@ -7,8 +7,9 @@ buffers, checksums verified here), other tiers with one `get_many` each, all in
 flight together; this node's tiers are preferred over remote ones. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
 promoted into hbm. `store` keeps new blocks in hbm and writes them through to
-this node's first host tier with one fire-and-forget call, and tells the reuse
-predictor about the request's blocks in one more.
+this node's first host tier with one fire-and-forget call (a full tier hands
+them on to the next one down), and tells the reuse predictor about the
+request's blocks in one more.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ class ClusterBlockStore:
         if new and self.write_tier is not None:
             try:
                 self._actor(self.node, self.write_tier).put_many.remote(
-                    [keys[j] for j in new], [payloads[j] for j in new], None if pairs is None else [pairs[j] for j in new])
+                    [keys[j] for j in new], [payloads[j] for j in new], None if pairs is None else [pairs[j] for j in new],
+                    overflow=True)  # a full tier hands them on down rather than drop them
                 metrics.bytes_moved().inc(sum(payloads[j].nbytes for j in new),
                                           {"src": f"{self.node}/hbm", "dst": f"{self.node}/{self.write_tier}",
                                            "how": "write_through"})

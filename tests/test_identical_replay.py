@@ -1,0 +1,98 @@
+"""An identical replay that fits in the tiers is served from them: nothing acknowledged is lost on the way down.
+
+The first records of the shared Mooncake trace, scaled down 16x in length (each 512-token
+hash block becomes 32 tokens, so shared hash ids are shared prefixes), run twice through a
+replica's store over real tier actors: a dram tier too small for them, so the placement
+controller demotes to nvme (the staged path payloads from the object store take) and spills
+to pfs. The second pass must find >= 95% of its prompt tokens in the cache: a block lost
+anywhere (a write refused, a demotion that dropped it, a corrupt read) cuts a conversation's
+reuse from there on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from actors.cluster import down, up  # noqa: E402
+from actors.index_actor import NAMESPACE  # noqa: E402
+from actors.placement_actor import PLACEMENT_NAME  # noqa: E402
+from actors.tier_actor import actor_name  # noqa: E402
+from kvcluster.cluster_config import load_cluster_config  # noqa: E402
+from kvcluster.paths import shared_data_dir  # noqa: E402
+from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
+from kvcluster.serving.models import load_model  # noqa: E402
+from kvcluster.serving.runner import ModelRunner  # noqa: E402
+from kvcluster.serving.sampling import SamplingParams  # noqa: E402
+from kvcluster.storage import hbm_backend  # noqa: E402
+from kvcluster.storage.tiered import TieredStore  # noqa: E402
+from serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
+
+pytestmark = pytest.mark.slow
+RECORDS = 24
+SCALE = 16  # Mooncake's 512-token hash blocks become 32 tokens
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def mooncake_prompts(n: int, scale: int = SCALE) -> list[list[int]]:
+    """Token ids for the first `n` Mooncake records: each hash id is a fixed run of 512/scale token ids."""
+    per_hash = 512 // scale
+    prompts = []
+    with open(shared_data_dir() / "mooncake" / "synthetic_trace.jsonl") as f:
+        for line, _ in zip(f, range(n)):
+            record = json.loads(line)
+            ids: list[int] = []
+            for h in record["hash_ids"]:
+                ids += [int(t) for t in np.random.default_rng(h).integers(3, 32000, per_hash)]
+            prompts.append(ids[: max(1, record["input_length"] // scale)])
+    return prompts
+
+
+def test_an_identical_replay_reuses_at_least_95_percent_of_prompt_tokens(tmp_path):
+    prompts = mooncake_prompts(RECORDS)
+    unique_blocks = len({tuple(p[: 16 * (b + 1)]) for p in prompts for b in range(len(p) // 16)})
+    root = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+    cfg_path = tmp_path / "cluster.yaml"
+    block_gib = 16 * 8192 / (1 << 30)  # kvcluster-tiny-llama, fp32: 8 KiB per token
+    cfg_path.write_text(
+        f"model: kvcluster-tiny-llama\nblock_tokens: 16\ncheckpoint_dir: {root}/pfs/predictor\nnodes:\n"
+        f"  - name: n0\n    tiers:\n"
+        f"      - {{tier: dram, capacity_gib: {block_gib * unique_blocks / 4:.6f}}}\n"  # a quarter fits in dram
+        f"      - {{tier: nvme, capacity_gib: {block_gib * unique_blocks * 1.5:.6f}, path: {root}/nvme}}\n"
+        f"      - {{tier: pfs, capacity_gib: {block_gib * unique_blocks * 2:.6f}, path: {root}/pfs}}\n")
+    cfg = load_cluster_config(str(cfg_path))
+    os.environ["RAY_TMPDIR"] = root
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+             namespace=NAMESPACE, _temp_dir=root, log_to_driver=False)
+    try:
+        up(cfg, placement_period_s=0.2)
+        runner = ModelRunner(load_model("kvcluster-tiny-llama"))
+        block = runner.layout.nbytes()
+        hbm = LocalBlockStore(TieredStore([hbm_backend(64, block)], block))  # far smaller than one pass
+        runner.store = ClusterBlockStore(hbm, "n0", ["dram", "nvme", "pfs"])
+        for prompt in prompts:
+            runner.complete(prompt, ONE_TOKEN)
+        controller = ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE)
+        time.sleep(1.0)  # the last write-through lands and the controller's rounds settle
+        cached = sum(runner.complete(p, ONE_TOKEN).cached_tokens for p in prompts)
+        total = sum(len(p) for p in prompts)
+        totals = ray.get(controller.totals_so_far.remote())
+        stats = {t: ray.get(ray.get_actor(actor_name("n0", t), namespace=NAMESPACE).stats.remote())
+                 for t in ("dram", "nvme", "pfs")}
+        print(f"\nidentical replay: {cached}/{total} prompt tokens cached ({cached / total:.3f}); "
+              f"unique blocks {unique_blocks}; placement {totals}")
+        assert totals.get("demote", 0) > 0, totals  # the replay did go through the demotion path
+        assert all(s.get("corrupt", 0) == 0 for s in stats.values()), stats
+        assert cached / total >= 0.95, (cached, total, totals, {t: (s["puts"], s["put_failures"]) for t, s in stats.items()})
+        down(cfg)
+    finally:
+        ray.shutdown()
