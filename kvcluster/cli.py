@@ -398,16 +398,30 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     from .cluster_config import load_cluster_config
 
     cfg = load_cluster_config(args.config)  # a bad file fails here, before Ray starts
+    if args.purge and args.action != "down":
+        raise ConfigError("--purge goes with down only")
     from actors import cluster  # Ray only for this command
 
-    cluster.connect(args.address)
+    try:
+        cluster.connect(args.address)
+    except cluster.ClusterUnreachable:
+        if not (args.action == "down" and args.purge):
+            raise
+        return _purge_only(cfg, args.json)  # nothing running to stop: the files are all that is left
     if args.action == "up":
         result = cluster.up(cfg, args.placement_period_s)
         text = f"started {len(result['tiers'])} tier actors ({', '.join(result['tiers'])}); " \
                f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and placement loop running"
     elif args.action == "down":
         result = {"killed": cluster.down(cfg)}
-        text = f"stopped {len(result['killed'])} actors (files on nvme and pfs are kept)"
+        text = f"stopped {len(result['killed'])} actors"
+        if args.purge:
+            from .state_files import purge
+
+            result["purged"] = purge(cfg)
+            text += f"; removed {', '.join(result['purged']) or 'nothing (no state files)'}"
+        else:
+            text += " (files on nvme and pfs are kept; --purge removes them)"
     else:
         result = cluster.status(cfg)
         rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
@@ -419,12 +433,22 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _purge_only(cfg, as_json: bool) -> int:
+    from .state_files import purge
+
+    removed = purge(cfg)
+    print(json.dumps({"killed": [], "purged": removed}) if as_json else
+          f"no Ray cluster running; removed {', '.join(removed) or 'nothing (no state files)'}")
+    return 0
+
+
 def _register_cluster(sub: argparse._SubParsersAction) -> None:
     cl = _subparser(sub, "cluster", "start, inspect or stop the cache actors on a running Ray cluster",
                     "The cache actors of a cluster YAML on a running Ray cluster (it does not start Ray):\n"
                     "  up      start (or find) the index, predictor, tier actors and placement loop; idempotent\n"
                     "  status  blocks held and capacity per node and tier, and placement totals\n"
-                    "  down    stop them (the predictor checkpoints first; nvme and pfs files stay)",
+                    "  down    stop them (the predictor checkpoints first; nvme and pfs files stay,\n"
+                    "          --purge removes them and the predictor checkpoint)",
                     "ray start --head && kvcluster cluster up local\n"
                     "kvcluster cluster up two-workers --address HEAD_IP:6379\n"
                     "kvcluster cluster status two-workers --address HEAD_IP:6379 --json")
@@ -434,6 +458,8 @@ def _register_cluster(sub: argparse._SubParsersAction) -> None:
                                                       "(default auto: the cluster running on this machine)")
     cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0, metavar="SECONDS",
                     help="seconds between placement rounds (up)")
+    cl.add_argument("--purge", action="store_true",
+                    help="with down: also remove the state files (nvme slabs, pfs blocks, predictor checkpoint)")
     cl.add_argument("--json", action="store_true", help="print one JSON object")
     cl.set_defaults(func=_cmd_cluster)
 
