@@ -14,7 +14,7 @@ from kvcluster.policies.registry import make_policy, policy_names
 from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces.base import Trace, TraceRequest
 
-POLICIES = ["lru", "lfu", "arc", "s3fifo", "bayes", "belady"]
+POLICIES = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-hd", "belady"]
 
 
 def make_trace(requests: list[list[int]], gap_s: float = 1.0) -> Trace:

@@ -1,4 +1,4 @@
-"""LRU, LFU, ARC, S3-FIFO and Belady: exact eviction orders, invariants, published reference numbers."""
+"""LRU, LFU, ARC, S3-FIFO, SIEVE and Belady: exact eviction orders, invariants, published reference numbers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces import load_trace
 
 CTX = RequestContext(0, 0.0)
-ONLINE = ["lru", "lfu", "arc", "s3fifo", "bayes"]
+ONLINE = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-hd"]
 
 
 def evictions(policy: str, seq: list[int], capacity: int) -> list[int]:
@@ -55,6 +55,30 @@ def test_belady_evicts_the_farthest_next_use() -> None:
     assert p.access([3], RequestContext(1, 0.0, next_use=[2])) == [1]
     assert p.access([2], RequestContext(2, 0.0, next_use=[FAR])) == []
     assert p.access([4], RequestContext(3, 0.0, next_use=[4])) == [2]
+
+
+def test_sieve_order() -> None:
+    # cap 3: a hit only marks 1; the hand passes it (clearing the mark) and takes 2, then 3, 4;
+    # 5 is marked, so the hand takes 6 next to it, and then, from the tail again, 5 (its mark was cleared)
+    assert evictions("sieve", [1, 2, 3, 1, 4, 5, 1, 6, 5, 7, 8], 3) == [2, 3, 4, 6, 5]
+
+
+def test_sieve_keeps_the_hand_and_does_not_move_survivors() -> None:
+    p = make_policy("sieve", 3)
+    for b in (1, 2, 3):
+        p.access([b], CTX)
+    p.access([1], CTX)
+    assert p.access([4], CTX) == [2]
+    assert p.order() == [1, 3, 4]  # 1 survived in place, at the tail
+    p.check_integrity()
+
+
+def test_sieve_brings_a_request_in_tail_first_so_its_prefix_outlives_it() -> None:
+    p = make_policy("sieve", 4)
+    p.access([1, 2, 3], CTX)
+    assert p.order() == [3, 2, 1]
+    assert p.access([4, 5], CTX) == [3]  # the suffix of the older chain, not its head
+    p.check_integrity()
 
 
 def test_unknown_policy_is_a_config_error() -> None:

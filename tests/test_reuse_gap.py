@@ -1,0 +1,38 @@
+"""The reuse-gap hazard model: bins, pooled Beta posteriors, P(reuse within t), hit density."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcluster.reuse_gap import GapModel, GapModelConfig, age_bin
+
+
+def test_age_bins_double_after_the_first() -> None:
+    assert [age_bin(a, 0.5, 21) for a in (0.0, 0.49, 0.5, 0.99, 1.0, 3.9, 4.0, 1e9)] == [0, 0, 1, 1, 2, 3, 4, 21]
+
+
+def test_hazard_is_shrunk_towards_the_pooled_hazard() -> None:
+    m = GapModel(2, GapModelConfig(bins=4, prior_weight=2.0))
+    m.reached[0][0], m.reused[0][0] = 8, 6
+    pooled = (6 + 0.5) / (8 + 1)
+    assert m.hazards(0)[0] == pytest.approx((6 + 2 * pooled) / (8 + 2))
+    assert m.hazards(1)[0] == pytest.approx(pooled)  # a class with no data is the population
+    assert m.hazards(1)[3] == pytest.approx(0.5)  # a bin nobody reached
+
+
+def test_p_reuse_within_counts_whole_and_partial_bins() -> None:
+    m = GapModel(1, GapModelConfig(bins=4, base_s=0.5))
+    h = [0.5, 0.5, 0.0, 0.0]
+    assert m.p_reuse_within(0, 0.0, 1.0, h) == pytest.approx(0.75)
+    assert m.p_reuse_within(0, 0.0, 0.25, h) == pytest.approx(0.25)
+    assert m.p_reuse_within(0, 0.5, 0.5, h) == pytest.approx(0.5)  # already survived bin 0
+    assert m.p_reuse_within(0, 1.0, 100.0, h) == pytest.approx(0.0)
+
+
+def test_density_prefers_the_class_that_comes_back_sooner() -> None:
+    m = GapModel(2, GapModelConfig(bins=8, prior_weight=0.01))
+    m.reached[0][:3], m.reused[0][:3] = [100, 100, 100], [0, 0, 90]  # back at 1-2 s
+    m.reached[1][:7], m.reused[1][:7] = [100] * 7, [0, 0, 0, 0, 0, 0, 90]  # back at 16-32 s
+    dens = m.densities(horizon_bin=7)
+    assert dens[0][0] > dens[1][0] > 0
+    assert dens[1][6] > dens[1][0]  # the slow class is worth more once it nears its gap
