@@ -7,14 +7,19 @@ this process without any cache (the reference), then:
 1. load: `--clients` asyncio clients send multi-turn prompts (shared prefixes)
    for `--seconds`; during it the dram tier actor, the predictor actor and the
    model replica are killed, and the pfs block files are corrupted;
-2. saturation: a burst of 4x the admission limit at once.
+2. saturation: a burst of 4x the admission limit at once;
+3. hostile (`--hostile`, or `--hostile-only` for it alone): the same clients
+   without faults, first alone, then beside hostile ones sending oversized
+   bodies, prompts far over the window, deeply nested JSON, invalid UTF-8,
+   bodies trickled slowly and bodies that stall (issue 22). The normal load's
+   p99 with and without them is reported; the hostile requests must all get 4xx.
 
 Every answer is compared with the reference. Reported: requests held, p50/p99
 latency, errors, 5xx, shed (503 + Retry-After), wrong outputs (must be 0), the
 faults injected and whether the system answered correctly after each, and the
 replica's memory before and after.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py [--json] [--seconds 60] [--clients 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py [--json] [--seconds 60] [--clients 4] [--hostile]
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from serve_apps.app import build_app  # noqa: E402
 MODEL = "kvcluster-tiny-llama"
 MAX_TOKENS = 8
 LIMIT = 8
+BODY_TIMEOUT_S = 5.0  # the app's deadline for a request body (stalled senders get 408 after it)
 
 
 def free_port() -> int:
@@ -84,7 +90,8 @@ def start(tmp: str) -> str:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": MODEL, "cluster": str(cluster), "replica_cpus": 0.5, "hbm_blocks": 64,
-                         "max_inflight_requests": LIMIT}), name="default", route_prefix="/")
+                         "max_inflight_requests": LIMIT, "request_body_timeout_s": BODY_TIMEOUT_S}),
+              name="default", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -162,6 +169,104 @@ async def saturation_phase(url: str, prompt_list: list[str], expected: dict):
     return [(p, code, text, latency, headers) for p, (code, text, latency, headers) in zip(burst, got)]
 
 
+# ---- hostile phase (issue 22) ----------------------------------------------------------------------------
+
+
+def _hostile_kinds(prompt: str) -> dict:
+    """kind -> (body or async body factory, the statuses it may get)."""
+    head = b'{"model": "%s", "prompt": ' % MODEL.encode()
+    valid = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+
+    async def trickle():  # a whole, valid body sent over ~2 s
+        for i in range(0, len(valid), max(1, len(valid) // 10)):
+            yield valid[i:i + max(1, len(valid) // 10)]
+            await asyncio.sleep(0.2)
+
+    return {"oversized_body": (head + b'"' + b"x" * (6 << 20) + b'"}', {413}),
+            "prompt_over_window": (json.dumps({"model": MODEL, "prompt": "word " * 400_000}).encode(), {400}),
+            "nested_json": (head + b"[" * 100_000 + b"]" * 100_000 + b"}", {400}),
+            "invalid_utf8": (head + b'"caf\xc3\x28 \xff\xfe"}', {400}),
+            "slow_sender": (trickle, {200}),
+            "stalled_sender": (valid, {408})}
+
+
+async def stalled_sender(url: str, body: bytes) -> tuple[int, float]:
+    """Headers and half the body over a raw socket, then silence: (status the server ends it with, seconds)."""
+    host, port = url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    t0 = time.perf_counter()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+    await writer.drain()
+    try:
+        status = await asyncio.wait_for(reader.readline(), BODY_TIMEOUT_S + 30)
+        return int(status.split()[1]) if status else -1, time.perf_counter() - t0
+    except asyncio.TimeoutError:
+        return -1, time.perf_counter() - t0
+    finally:
+        writer.close()
+
+
+async def steady_load(client: httpx.AsyncClient, url: str, prompt_list: list[str], seconds: float, clients: int):
+    """Normal traffic only: `clients` loops over the prompts for `seconds`."""
+    results, stop = [], time.monotonic() + seconds
+
+    async def loop(k: int):
+        i = k
+        while time.monotonic() < stop:
+            p = prompt_list[i % len(prompt_list)]
+            code, text, latency, _ = await ask(client, url, p)
+            results.append((p, code, text, latency))
+            i += clients
+
+    await asyncio.gather(*(loop(k) for k in range(clients)))
+    return results
+
+
+async def hostile_phase(url: str, prompt_list: list[str], expected: dict, seconds: float, clients: int) -> dict:
+    """The normal load alone, then beside `clients // 2 + 1` hostile senders; 0 wrong and 0 5xx expected."""
+    kinds = _hostile_kinds(prompt_list[0])
+    outcomes: list[tuple[str, int, bool]] = []  # kind, status, as expected
+    async with httpx.AsyncClient(timeout=300) as client:
+        quiet = await steady_load(client, url, prompt_list, seconds, clients)
+        stop = time.monotonic() + seconds
+
+        async def hostile(k: int):
+            names, i = list(kinds), k
+            async with httpx.AsyncClient(timeout=120) as own:  # own connections: they may be closed on it
+                while time.monotonic() < stop:
+                    name = names[i % len(names)]
+                    body, allowed = kinds[name]
+                    try:
+                        if name == "stalled_sender":
+                            code, waited = await stalled_sender(url, body)
+                            outcomes.append((name, code, code == 408 and waited < BODY_TIMEOUT_S + 5))
+                            i += 1
+                            continue
+                        r = await own.post(f"{url}/v1/completions", content=body() if callable(body) else body,
+                                           headers={"content-type": "application/json"})
+                        code = r.status_code
+                        right = code in allowed and (code != 200 or r.json()["choices"][0]["text"] ==
+                                                     expected[prompt_list[0]])
+                    except httpx.HTTPError as exc:
+                        code, right = -1, False
+                        print(f"hostile {name}: {type(exc).__name__}")
+                    outcomes.append((name, code, right))
+                    i += 1
+
+        loud, _ = await asyncio.gather(steady_load(client, url, prompt_list, seconds, clients),
+                                       asyncio.gather(*(hostile(k) for k in range(clients // 2 + 1))))
+    by_kind: dict = {}
+    for name, code, _ in outcomes:
+        by_kind.setdefault(name, {}).setdefault(str(code), 0)
+        by_kind[name][str(code)] += 1
+    without, with_ = summarize(quiet, expected), summarize(loud, expected)
+    return {"p99_s_without_hostile": without["p99_s"], "p99_s_with_hostile": with_["p99_s"],
+            "normal_without_hostile": without, "normal_with_hostile": with_,
+            "hostile_requests": len(outcomes), "hostile_as_expected": sum(r for _, _, r in outcomes),
+            "hostile_5xx": sum(c >= 500 for _, c, _ in outcomes), "hostile_by_kind": by_kind}
+
+
 def summarize(results, expected) -> dict:
     lat = [r[3] for r in results if r[1] == 200]
     wrong = sum(1 for p, code, text, _ in results if code == 200 and text != expected[p])
@@ -177,6 +282,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
+    parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
     args = parser.parse_args()
     prompt_list = prompts(args.conversations)
     reference = ModelRunner(load_model(MODEL))
@@ -184,36 +291,56 @@ def main() -> None:
     expected = {p: reference.complete(reference.loaded.tokenizer.encode(p), greedy).text for p in prompt_list}
     tmp = tempfile.mkdtemp(prefix="kvsoak", dir="/tmp")
     url = start(tmp)
+    report: dict = {"prompts": len(prompt_list), "clients": args.clients, "seconds": args.seconds}
     try:
-        rss_before = replica_rss_mib()
-        results, faults = asyncio.run(load_phase(url, prompt_list, expected, args.seconds, args.clients, tmp))
-        time.sleep(5)
-        burst = asyncio.run(saturation_phase(url, prompt_list, expected))
-        rss_after = replica_rss_mib()
-        retry_after = all(h.get("retry-after") == "1" for _, code, _, _, h in burst if code == 503)
-        report = {"prompts": len(prompt_list), "clients": args.clients, "seconds": args.seconds,
-                  "load": summarize(results, expected), "faults": faults,
-                  "saturation": {**summarize([r[:4] for r in burst], expected), "burst": len(burst),
-                                 "admission_limit": LIMIT, "retry_after_on_every_503": retry_after},
-                  "replica_rss_mib": {"before": rss_before, "after": rss_after}}
+        if not args.hostile_only:
+            report.update(fault_phases(url, prompt_list, expected, args, tmp))
+        if args.hostile or args.hostile_only:
+            report["hostile"] = asyncio.run(hostile_phase(url, prompt_list, expected, args.seconds, args.clients))
     finally:
         serve.shutdown()
         ray.shutdown()
     if args.json:
         print(json.dumps(report, indent=1))
         return
+    if "load" in report:
+        print_fault_phases(report, args)
+    if "hostile" in report:
+        h = report["hostile"]
+        print(f"hostile: normal load p99 {h['p99_s_without_hostile']:.2f} s alone, {h['p99_s_with_hostile']:.2f} s "
+              f"beside {h['hostile_requests']} hostile requests ({h['hostile_as_expected']} answered as expected, "
+              f"{h['hostile_5xx']} 5xx); normal load wrong outputs {h['normal_with_hostile']['wrong_outputs']}, "
+              f"5xx {h['normal_with_hostile']['server_errors_5xx_other']}; by kind {h['hostile_by_kind']}")
+
+
+def fault_phases(url: str, prompt_list: list[str], expected: dict, args, tmp: str) -> dict:
+    """Phases 1 and 2: load with faults, then the saturation burst."""
+    rss_before = replica_rss_mib()
+    results, faults = asyncio.run(load_phase(url, prompt_list, expected, args.seconds, args.clients, tmp))
+    time.sleep(5)
+    burst = asyncio.run(saturation_phase(url, prompt_list, expected))
+    rss_after = replica_rss_mib()
+    retry_after = all(h.get("retry-after") == "1" for _, code, _, _, h in burst if code == 503)
+    return {"load": summarize(results, expected), "faults": faults,
+            "saturation": {**summarize([r[:4] for r in burst], expected), "burst": len(burst),
+                           "admission_limit": LIMIT, "retry_after_on_every_503": retry_after},
+            "replica_rss_mib": {"before": rss_before, "after": rss_after}}
+
+
+def print_fault_phases(report: dict, args) -> None:
     load = report["load"]
     print(f"load: {load['requests']} requests from {args.clients} clients in {args.seconds:.0f} s: {load['ok']} ok, "
           f"{load['errors']} errors, {load['server_errors_5xx_other']} 5xx, {load['wrong_outputs']} wrong; "
           f"p50 {load['p50_s']:.2f} s, p99 {load['p99_s']:.2f} s")
-    for f in faults:
+    for f in report["faults"]:
         print(f"fault: {f['fault']}: answered correctly after: {f['answered_correctly_after']} "
               f"({f['recovery_s']:.1f} s)")
     s = report["saturation"]
     print(f"saturation: burst of {s['burst']} (limit {LIMIT}): {s['ok']} ok, {s['shed_503']} shed with 503 "
           f"(Retry-After on all: {s['retry_after_on_every_503']}), {s['server_errors_5xx_other']} other 5xx, "
           f"{s['wrong_outputs']} wrong")
-    print(f"replica RSS: {rss_before:.0f} MiB before, {rss_after:.0f} MiB after")
+    rss = report["replica_rss_mib"]
+    print(f"replica RSS: {rss['before']:.0f} MiB before, {rss['after']:.0f} MiB after")
 
 
 if __name__ == "__main__":

@@ -127,8 +127,11 @@ async def _too_large(send, declared: int | None, limit: int) -> None:
 
 
 async def _reply(send, status: int, message: str, code: str, kind: str = "invalid_request_error") -> None:
+    """An OpenAI error body. After a timed-out body the connection is closed: what arrives later is no request.
+    (A refused body is otherwise left to the HTTP server: closing while the client still sends makes its TCP
+    stack reset the connection, and the client never reads the 413.)"""
     payload = json.dumps(error_body(message, kind, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+                "headers": headers + ([(b"connection", b"close")] if status == 408 else [])})
     await send({"type": "http.response.body", "body": payload})
