@@ -168,6 +168,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         model=args.model,
         node=args.node,
         prefetch_lead_s=args.prefetch_lead_s,
+        calibration_horizon_s=args.calibration or 0.0,
     )
     options.validate()
     trace = _load_trace(args)
@@ -193,6 +194,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         for r in report["results"] + report.get("reference_deployments", [])
     ]
     print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]))
+    if "calibration" in report:
+        cal = report["calibration"]
+        print(f"\nreuse-gap predictor, P(reuse within {cal['horizon_s']:g} s) over {cal['references']:,} refs: "
+              f"Brier {cal['brier']:.4f} (base rate alone {cal['brier_base_rate']:.4f})")
+        print(_table([[r["decile"], f"{r['count']:,}", f"{r['predicted']:.3f}", f"{r['observed']:.3f}"]
+                      for r in cal["reliability"]], ["predicted", "refs", "mean predicted", "observed"]))
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
@@ -318,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(default h100-node)")
     rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
                     help="prefetch blocks of requests arriving within this many seconds (multi-tier only)")
+    rp.add_argument("--calibration", type=_non_negative_float, nargs="?", const=60.0, metavar="SECONDS",
+                    help="also score the reuse-gap predictor: Brier score and reliability per decile of "
+                         "P(reuse within SECONDS) (default 60)")
     _trace_options(rp, TRACE_FORMATS)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity as a PNG")

@@ -33,6 +33,7 @@ class ReplayOptions:
     model: str = "llama-3.1-8b"
     node: str = "h100-node"
     prefetch_lead_s: float = 0.0
+    calibration_horizon_s: float = 0.0  # > 0: also score the reuse-gap predictor's P(reuse within this)
 
     def validate(self) -> None:
         known = policy_names()
@@ -46,6 +47,8 @@ class ReplayOptions:
             raise ConfigError("--capacity-frac values must be in (0, 1]")
         if any(n < 0 for n in self.capacity_blocks):
             raise ConfigError("--capacity-blocks values must be >= 0")
+        if self.calibration_horizon_s < 0:
+            raise ConfigError("--calibration horizon must be > 0 seconds")
 
 
 def plans(options: ReplayOptions, trace: PreparedTrace, block_bytes: int) -> list[list[TierPlan]]:
@@ -95,6 +98,10 @@ def run_replay(
     }
     if options.tiers:
         out["reference_deployments"] = _references(options, trace, block_bytes)
+    if options.calibration_horizon_s > 0:
+        from .calibration import calibrate
+
+        out["calibration"] = calibrate(trace, options.calibration_horizon_s)
     return out
 
 

@@ -72,9 +72,10 @@ class GapModel:
         return out
 
     def all_hazards(self) -> list[list[float]]:
+        """Hazards of every class; classes never seen share one row (the pooled hazard)."""
         k, w = self.config.bins, self.config.prior_weight
         pooled = self._pooled()
-        return [[min(1.0, (ru[i] + w * pooled[i]) / (re[i] + w)) for i in range(k)]
+        return [[min(1.0, (ru[i] + w * pooled[i]) / (re[i] + w)) for i in range(k)] if re[0] else pooled
                 for re, ru in zip(self.reached, self.reused)]
 
     def p_reuse_within(self, cls: int, age: float, t: float, hazards: list[float] | None = None) -> float:
@@ -109,7 +110,11 @@ class GapModel:
         k_bins = self.config.bins
         widths = self.widths
         out = []
+        done: dict[int, list[float]] = {}  # rows shared by classes with no data are computed once
         for h in hs:
+            if id(h) in done:
+                out.append(done[id(h)])
+                continue
             # survival to the start of each bin, relative to bin 0
             surv = [1.0] * (k_bins + 1)
             for i in range(k_bins):
@@ -126,5 +131,6 @@ class GapModel:
                 num = hits[i] - hits[end] if end <= k_bins else hits[i]
                 den = time[i] - time[end] if end <= k_bins else time[i]
                 row.append(num / den if den > 0 else 0.0)
+            done[id(h)] = row
             out.append(row)
         return out

@@ -43,6 +43,20 @@ def test_replay_over_a_node_s_tiers_reports_references(capsys, tmp_path: Path) -
     assert "prefetch" in data["results"][0]
 
 
+def test_replay_calibration_reports_brier_and_reliability(capsys) -> None:
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policies", "sieve,bayes-hd", "--capacity-blocks", "4",
+                        "--calibration", "30", "--json")
+    assert code == 0 and [r["policy"] for r in data["results"]] == ["sieve", "bayes-hd"]
+    cal = data["calibration"]
+    assert cal["horizon_s"] == 30 and cal["references"] == data["block_refs"]
+    assert 0 <= cal["brier"] <= 1 and 0 <= cal["brier_base_rate"] <= 0.25
+    assert sum(r["count"] for r in cal["reliability"]) == cal["references"]
+    assert all(0 <= r["predicted"] <= 1 and 0 <= r["observed"] <= 1 for r in cal["reliability"])
+    code = main(["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--calibration"])
+    out = capsys.readouterr().out
+    assert code == 0 and "P(reuse within 60 s)" in out and "Brier" in out
+
+
 @pytest.mark.parametrize(
     "argv,fragment",
     [
@@ -52,6 +66,7 @@ def test_replay_over_a_node_s_tiers_reports_references(capsys, tmp_path: Path) -
         (["replay", "/no/such/file", "--policy", "lru", "--capacity-blocks", "4"], "trace not found"),
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--strict"], "bailian.jsonl:4"),
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "x"], "invalid"),
+        (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--calibration", "-1"], "--calibration"),
     ],
 )
 def test_bad_replay_input_exits_2(capsys, argv, fragment) -> None:

@@ -96,6 +96,7 @@ class BayesHDPolicy(EvictionPolicy):
         self._requests = 0
         self._evict_age = 0.0  # EMA of victims' ages: how long a block lasts here
         self._dens = [[0.0] * self.model.config.bins for _ in range(CLASSES)]
+        self._hazards = self.model.all_hazards()  # as of the last refresh
         self._sessions: dict[str, tuple[float, int]] = {}  # session -> (last request time, gap bucket)
 
     def __contains__(self, block: int) -> bool:
@@ -135,7 +136,30 @@ class BayesHDPolicy(EvictionPolicy):
 
     def _refresh(self, now: float) -> None:
         horizon = age_bin(self._evict_age * self._horizon_factor, self._base, self._lastbin)
-        self._dens = self.model.densities(horizon)
+        self._hazards = self.model.all_hazards()
+        self._dens = self.model.densities(horizon, self._hazards)
+
+    def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
+        """P(each block is used again within `horizon_s` of this request), before `access` sees it.
+
+        Read-only: the classes `access` would give the blocks, and the current
+        posterior hazards (for calibration against what the trace then does)."""
+        n = len(blocks)
+        types = ctx.block_types or (int(BlockType.HISTORY),) * n
+        seen = self._sessions.get(ctx.session)
+        sb = 0 if seen is None else session_bucket(ctx.now - seen[0])
+        if seen is not None and ctx.now - seen[0] < 0.5 * self._base:
+            sb = seen[1]
+        last, gcls, memo, out = self._last, self._gcls, {}, []
+        for j, b in enumerate(blocks):
+            old = last.get(b)
+            nxt = 0 if old is None else _NEXT_USES[gcls[old if old >= 0 else ~old]]
+            cls = sb * _PER_SESSION_BUCKET + (types[j] * _NT + ctx.transition) * USE_BUCKETS * 2 + nxt + (j == n - 1)
+            p = memo.get(cls)
+            if p is None:
+                p = memo[cls] = self.model.p_reuse_within(cls, 0.0, horizon_s, self._hazards[cls])
+            out.append(p)
+        return out
 
     # -- the policy -------------------------------------------------------------------------------
 
