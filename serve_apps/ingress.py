@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve).
 
-It validates and tokenizes each request, computes its block keys, asks the
-global index which node holds the longest prefix (one call), and streams the
-chosen replica's events back as an OpenAI response or as server-sent events
-ending in `[DONE]`. Every client mistake is a 4xx with an OpenAI error body.
+It validates and tokenizes each request (off the event loop, after cheap
+bounds), computes its block keys, asks the global index which node holds the
+longest prefix (one call), and streams the chosen replica's events back as an
+OpenAI response or as server-sent events ending in `[DONE]`. A request fans out
+into one replica stream per choice (each prompt times `n`). Every client mistake
+is a 4xx with an OpenAI error body (serve_apps/errors.py).
 """
 
 
@@ -11,14 +13,13 @@ import asyncio
 import json
 import logging
 import time
+from importlib import metadata
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.background import BackgroundTask
 
 from actors.cluster import node_ids
 from actors.index_actor import INDEX_NAME, NAMESPACE
@@ -29,66 +30,32 @@ from kvcluster.model_spec import load_model_spec
 
 from actors import metrics
 
+from . import errors
 from .config import ServeAppConfig
+from .errors import APIError
 from .guard import TENANT_SCOPE_KEY, GuardSettings, RequestGuard, authenticate
+from .logprobs import piece
 from .metrics_middleware import RequestMetrics
 from .prompt_encoder import PromptEncoder, PromptTooLong
-from .protocol import (ChatCompletionRequest, CompletionRequest, chat_body, chat_chunk, completion_body, error_body,
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                        new_id, usage)
+from .ready import announce_when_ready
+from .render import Answer, ChatRender, Choice, CompletionRender, prompt_text
 from .replica import cache_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="kvcluster OpenAI-compatible API")
 app.add_middleware(RequestGuard)  # inner: key and body size, before the body is read
 app.add_middleware(RequestMetrics)  # outer: counts what the guard refuses too
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.retry_after_s = retry_after_s
-
+errors.install(app)
 
 REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+MAX_CHOICES = 128  # prompts x n in one request
 
 
-@app.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError):
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
-                        headers=headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError):
-    errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return JSONResponse(error_body("the request body is not valid JSON", param=None, code="invalid_json"),
-                            status_code=400)
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) or "body"
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
-    return JSONResponse(error_body(message, param=where, code="invalid_value"), status_code=422)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException):
-    return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception):
-    log.exception("internal error")
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", kind="server_error"), status_code=500)
-
-
-async def _gather(first: dict, events) -> tuple[dict, str, dict]:
-    """(start event, text, end event) of one replica stream."""
-    start, parts, end, event = None, [], None, first
+async def _gather(first: dict, events) -> Answer:
+    """One replica stream, whole."""
+    start, parts, end, entries, event = None, [], None, [], first
     while True:
         if event["type"] == "error":
             raise APIError(400, event["message"], code="context_length_exceeded")
@@ -96,12 +63,21 @@ async def _gather(first: dict, events) -> tuple[dict, str, dict]:
             start = event
         elif event["type"] == "delta":
             parts.append(event["text"])
+            entries += event.get("logprobs") or []
         elif event["type"] == "end":
             end = event
+            entries += event.get("logprobs") or []
         try:
             event = await events.__anext__()
         except StopAsyncIteration:
-            return start, "".join(parts), end
+            return Answer(start, "".join(parts), end, entries)
+
+
+def _usage(starts: dict[int, dict], ends: dict[int, dict], n: int) -> dict:
+    """Usage summed over choices; a prompt's tokens count once, not once per each of its n choices."""
+    firsts = [s for i, s in starts.items() if i % n == 0]
+    return usage(sum(s["prompt_tokens"] for s in firsts), sum(e["completion_tokens"] for e in ends.values()),
+                 sum(s["cached_tokens"] for s in firsts), sum(s.get("segment_tokens", 0) for s in firsts))
 
 
 NODE_HEADER = "x-kvcluster-node"  # the cluster node whose replica answered (operators: is routing sticky?)
@@ -111,12 +87,15 @@ def _node_headers(start: dict) -> dict[str, str]:
     return {NODE_HEADER: start["node"]} if start.get("node") else {}
 
 
-def _answered(start: dict, body: dict) -> JSONResponse:
-    return JSONResponse(body, headers=_node_headers(start))
-
-
 def _sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvcluster")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -145,6 +124,7 @@ class OpenAIIngress:
         self._node_ids: dict[str, str] = {}
         self._node_ids_at = 0.0
         self.inflight = 0
+        announce_when_ready(self.cfg.name)
 
     # ---- endpoints -------------------------------------------------------------------------------------
 
@@ -152,57 +132,91 @@ class OpenAIIngress:
     async def health(self) -> dict:
         return {"status": "ok", "model": self.cfg.name}
 
+    @app.get("/version")
+    async def version(self) -> dict:
+        return {"version": _version()}
+
+    def _card(self) -> dict:
+        return {"id": self.cfg.name, "object": "model", "created": 0, "owned_by": "kvcluster", "root": self.cfg.model,
+                "parent": None, "max_model_len": self.window}
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self._tenant(request)
-        return {"object": "list", "data": [{"id": self.cfg.name, "object": "model", "created": 0,
-                                            "owned_by": "kvcluster", "max_model_len": self.window}]}
+        return {"object": "list", "data": [self._card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        self._tenant(request)
+        self._check_model(model_id)
+        return self._card()
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+        self._tenant(request)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            ids = await self._encode(self.encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        else:
+            ids, _ = await self._encode(self.encoder.render(body.messages))
+        strs = [piece(self.tokenizer, t)[0] for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.window, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
+        self._tenant(request)
+        self._check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         tenant = self._tenant(request)
         self._check_common(body)
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise APIError(400, "prompt is empty", param="prompt")
-            ids = await self._encode(self.encoder.encode(body.prompt))
-        else:
-            ids = list(body.prompt)
-            if not ids:
-                raise APIError(400, "prompt is empty", param="prompt")
-            if max(ids) >= self.vocab:
-                raise APIError(400, f"token id {max(ids)} is outside the vocabulary (size {self.vocab})",
-                               param="prompt")
-        max_tokens = self._max_tokens(len(ids), body.max_tokens, "max_tokens")
-        job = self._job(ids, [(1, len(ids))], body, max_tokens, tenant)
-        rid = new_id("cmpl")
-        if body.stream:
-            return await self._stream(job, rid, chat=False, include_usage=bool(body.stream_options and
-                                                                                body.stream_options.include_usage))
-        start, text, end = await self._collect(job)
-        return _answered(start, completion_body(rid, self.cfg.name, text, end["finish_reason"],
-                                                usage(start["prompt_tokens"], end["completion_tokens"],
-                                                      start["cached_tokens"], start.get("segment_tokens", 0))))
+        prompts = body.prompts()
+        self._check_choices(len(prompts) * body.n)
+        echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            ids = await self._prompt_ids(prompt)
+            max_tokens = self._max_tokens(len(ids), body.max_tokens, "max_tokens")
+            text = prompt_text(self.tokenizer, prompt) if body.echo else ""
+            for j in range(body.n):
+                params = body.sampling(max_tokens, j, body.logprobs, echo_lp)
+                jobs.append((Choice(i * body.n + j, ids, text), self._job(ids, [(1, len(ids))], params, body, tenant)))
+        render = CompletionRender(self.tokenizer, new_id("cmpl"), self.cfg.name, body.echo, body.logprobs)
+        return await self._answer(jobs, render, body)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = self._tenant(request)
         self._check_common(body)
+        self._check_choices(body.n)
         ids, spans = await self._encode(self.encoder.render(body.messages))
         segments = reusable_segments(body.messages, spans)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = self._max_tokens(len(ids), asked, "max_completion_tokens" if body.max_completion_tokens
                                       else "max_tokens")
-        job = self._job(ids, [(int(t), n) for t, n in spans], body, max_tokens, tenant)
-        job["segments"] = segments
-        rid = new_id("chatcmpl")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = []
+        for j in range(body.n):
+            job = self._job(ids, [(int(t), k) for t, k in spans], body.sampling(max_tokens, j, top), body, tenant)
+            job["segments"] = segments
+            jobs.append((Choice(j, ids), job))
+        render = ChatRender(self.tokenizer, new_id("chatcmpl"), self.cfg.name, body.logprobs)
+        return await self._answer(jobs, render, body)
+
+    async def _answer(self, jobs: list, render, body):
         if body.stream:
-            return await self._stream(job, rid, chat=True, include_usage=bool(body.stream_options and
-                                                                               body.stream_options.include_usage))
-        start, text, end = await self._collect(job)
-        return _answered(start, chat_body(rid, self.cfg.name, text, end["finish_reason"],
-                                          usage(start["prompt_tokens"], end["completion_tokens"],
-                                                start["cached_tokens"], start.get("segment_tokens", 0))))
+            return await self._stream(jobs, render, body.n, bool(body.stream_options and
+                                                                  body.stream_options.include_usage))
+        answers = await self._collect(jobs)
+        starts = {c.index: a.start for (c, _), a in zip(jobs, answers)}
+        ends = {c.index: a.end for (c, _), a in zip(jobs, answers)}
+        choices = [render.whole(c, a) for (c, _), a in zip(jobs, answers)]
+        return JSONResponse(render.body(choices, _usage(starts, ends, body.n)), headers=_node_headers(answers[0].start))
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -224,13 +238,39 @@ class OpenAIIngress:
         except PromptTooLong as exc:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
 
-    def _check_common(self, body) -> None:
-        if body.model != self.cfg.name:
-            raise APIError(400, f"the model {body.model!r} does not exist; this server serves {self.cfg.name!r}",
+    def _check_model(self, model: str | None) -> None:
+        """`model` may be omitted (one model is served); another name is 404, as OpenAI and vLLM answer."""
+        if model is not None and model != self.cfg.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.cfg.name!r}",
                            param="model", code="model_not_found")
+
+    def _check_common(self, body) -> None:
+        self._check_model(body.model)
         problem = body.unsupported()
         if problem:
-            raise APIError(400, problem, code="unsupported")
+            raise APIError(400, problem[1], param=problem[0], code="unsupported")
+
+    def _check_choices(self, count: int) -> None:
+        limit = min(MAX_CHOICES, self.cfg.max_inflight_requests)
+        if count > limit:
+            raise APIError(400, f"this request asks for {count} choices (prompts x n); at most {limit} per request",
+                           param="n")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        if ids and max(ids) >= self.vocab:
+            raise APIError(400, f"token id {max(ids)} is outside the vocabulary (size {self.vocab})", param=param)
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of one prompt (text tokenized off the loop, ids checked); an empty one is a 400."""
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt, str):
+            return await self._encode(self.encoder.encode(prompt))
+        if len(prompt) > self.window:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context window is {self.window}",
+                           param="prompt", code="context_length_exceeded")
+        self._check_ids(prompt, "prompt")
+        return list(prompt)
 
     def _max_tokens(self, prompt_tokens: int, asked: int | None, field: str) -> int:
         room = self.window - prompt_tokens
@@ -249,10 +289,9 @@ class OpenAIIngress:
                            code="context_length_exceeded")
         return asked
 
-    def _job(self, ids: list[int], spans, body, max_tokens: int, tenant: str) -> dict:
+    def _job(self, ids: list[int], spans, params, body, tenant: str) -> dict:
         salt = f"{tenant}/{body.cache_salt or ''}" if tenant else (body.cache_salt or "")
-        return {"prompt_ids": ids, "spans": spans, "params": body.sampling(max_tokens).model_dump(),
-                "cache_salt": salt}
+        return {"prompt_ids": ids, "spans": spans, "params": params.model_dump(), "cache_salt": salt}
 
     def _confirm_keyspace(self) -> None:
         """Ask a replica for its model fingerprint in the background (at most every 10 s until it answers);
@@ -295,13 +334,14 @@ class OpenAIIngress:
             self._node_ids, self._node_ids_at = node_ids(self.cluster), time.monotonic()
         return self._node_ids.get(name)
 
-    def _admit(self) -> None:
-        """Bounded work: past `max_inflight_requests` a request is turned away at once, with Retry-After."""
-        if self.inflight >= self.cfg.max_inflight_requests:
+    def _admit(self, count: int) -> None:
+        """Bounded work: past `max_inflight_requests` generations a request is turned away at once, with
+        Retry-After."""
+        if self.inflight + count > self.cfg.max_inflight_requests:
             metrics.faults().inc(1, {"component": "ingress", "kind": "shed"})
             raise APIError(503, f"the server is at capacity ({self.inflight} requests in flight); retry shortly",
                            kind="overloaded", code="overloaded", retry_after_s=1)
-        self.inflight += 1
+        self.inflight += count
 
     async def _events(self, job: dict):
         node = await self._route(job)
@@ -320,67 +360,90 @@ class OpenAIIngress:
         raise APIError(503, "the model replica failed while starting this request; retry", kind="server_error",
                        code="replica_unavailable", retry_after_s=1)
 
-    async def _collect(self, job: dict):
+    async def _collect_one(self, job: dict) -> Answer:
         """A whole non-streamed answer; a replica lost mid-way is retried (nothing was sent yet)."""
-        self._admit()
-        try:
-            for attempt in range(self.cfg.replica_retries + 1):
-                events, first = await self._first_event(job)
-                try:
-                    return await _gather(first, events)
-                except REPLICA_LOST:
-                    metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
-            raise APIError(503, "the model replica failed during this request; retry", kind="server_error",
-                           code="replica_unavailable", retry_after_s=1)
-        finally:
-            self.inflight -= 1
-
-    async def _stream(self, job: dict, rid: str, chat: bool, include_usage: bool):
-        self._admit()
-        try:
+        for _ in range(self.cfg.replica_retries + 1):
             events, first = await self._first_event(job)
-        except BaseException:
-            self.inflight -= 1
-            raise
-        if first["type"] == "error":
-            self.inflight -= 1
-            raise APIError(400, first["message"], code="context_length_exceeded")
-        name = self.cfg.name
+            try:
+                return await _gather(first, events)
+            except REPLICA_LOST:
+                metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
+        raise APIError(503, "the model replica failed during this request; retry", kind="server_error",
+                       code="replica_unavailable", retry_after_s=1)
+
+    async def _collect(self, jobs: list) -> list[Answer]:
+        self._admit(len(jobs))
+        try:
+            return await asyncio.gather(*(self._collect_one(job) for _, job in jobs))
+        finally:
+            self.inflight -= len(jobs)
+
+    async def _stream(self, jobs: list, render, n: int, include_usage: bool):
+        """Server-sent events of every choice, as each choice's replica produces them."""
+        self._admit(len(jobs))
         released = False
 
         def release() -> None:  # idempotent: the stream's end and the response's background task both call it
             nonlocal released
             if not released:
                 released = True
-                self.inflight -= 1
+                self.inflight -= len(jobs)
+
+        try:
+            opened = await asyncio.gather(*(self._first_event(job) for _, job in jobs))
+        except BaseException:
+            release()
+            raise
+        bad = next((first for _, first in opened if first["type"] == "error"), None)
+        if bad is not None:
+            release()
+            raise APIError(400, bad["message"], code="context_length_exceeded")
+
+        async def pump(choice: Choice, events, first: dict, queue: asyncio.Queue) -> None:
+            try:
+                await queue.put((choice, first))
+                async for event in events:
+                    await queue.put((choice, event))
+            except Exception as exc:  # noqa: BLE001 - handed to the stream, which reports it in-band
+                await queue.put((choice, exc))
+            finally:
+                await queue.put((choice, None))
 
         async def body():
-            start = first
+            queue: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.create_task(pump(c, ev, first, queue)) for (c, _), (ev, first) in zip(jobs, opened)]
+            starts, ends, running = {}, {}, len(tasks)
             try:
-                if chat:
-                    yield _sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
-                async for event in events:
-                    if event["type"] == "delta":
-                        yield _sse(chat_chunk(rid, name, {"content": event["text"]}, None) if chat else
-                                   completion_body(rid, name, event["text"], None, None, chunk=True))
+                while running:
+                    choice, event = await queue.get()
+                    if event is None:
+                        running -= 1
+                    elif isinstance(event, Exception):
+                        raise event
+                    elif event["type"] == "start":
+                        starts[choice.index] = event
+                        for chunk in render.opening(choice, event):
+                            yield _sse(chunk)
+                    elif event["type"] == "delta":
+                        yield _sse(render.delta(choice, event))
                     elif event["type"] == "end":
-                        use = usage(start["prompt_tokens"], event["completion_tokens"], start["cached_tokens"],
-                                    start.get("segment_tokens", 0))
-                        yield _sse(chat_chunk(rid, name, {}, event["finish_reason"]) if chat else
-                                   completion_body(rid, name, "", event["finish_reason"], None, chunk=True))
-                        if include_usage:
-                            yield _sse(chat_chunk(rid, name, {}, None, use, choices=False) if chat else
-                                       {**completion_body(rid, name, "", None, use, chunk=True), "choices": []})
-            except Exception as exc:  # the replica died mid-stream: say so in-band, then end the stream
-                log.warning("stream %s failed: %s", rid, exc)
+                        ends[choice.index] = event
+                        for chunk in render.end(choice, event):
+                            yield _sse(chunk)
+                if include_usage:
+                    yield _sse(render.usage_chunk(_usage(starts, ends, n)))
+            except Exception as exc:  # a replica died mid-stream: say so in-band, then end the stream
+                log.warning("stream failed: %s", exc)
                 metrics.faults().inc(1, {"component": "ingress", "kind": "stream_failed"})
                 if isinstance(exc, REPLICA_LOST):
                     metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
                 yield _sse(error_body(f"generation failed: {type(exc).__name__}; retry the request",
                                       kind="server_error"))
             finally:
+                for task in tasks:
+                    task.cancel()
                 release()
             yield _sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release),
-                                 headers=_node_headers(first))
+                                 headers=_node_headers(opened[0][1]))

@@ -1,42 +1,51 @@
 """The OpenAI wire format: request models (validated) and response bodies.
 
-Unknown fields are ignored as OpenAI's server does; wrong types and values out
-of range are 422 errors naming the field; features kvcluster does not implement
-(n > 1, logprobs, echo) are 400 errors saying so, never silently ignored.
+Requests are strict: an unknown field is a 400 naming it, never silently
+ignored; a wrong type or a value out of range is a 400 naming the field (as
+vLLM's and OpenAI's servers answer). OpenAI fields kvcluster does not implement
+(penalties, logit_bias, tools, response formats, suffix, best_of) are accepted
+only at their neutral value; anything else is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvcluster.serving.chat import ChatMessage
 from kvcluster.serving.sampling import SamplingParams
 
+MAX_STOP_CHARS = 256  # a stop string is held back from the stream while it may be forming: keep it short
+MAX_LOGPROBS = 20
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1, description="May be omitted: one model is served.")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1, 0 or null: no top-k cut.")
+    min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256, description="Tenant salt: blocks are shared only within it.")
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -46,45 +55,73 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return stops
 
-    def unsupported(self) -> str | None:
-        if self.n != 1:
-            return "n > 1 is not supported; send one request per completion"
-        if self.logprobs:
-            return "logprobs are not supported"
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to something kvcluster cannot do, or None."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
         return None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, choice: int = 0, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        """The runner's parameters for choice `choice` of this request (choice i samples with seed + i)."""
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, stop=tuple(self.stop or ()),
-                              seed=self.seed, ignore_eos=self.ignore_eos)
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                              min_tokens=min(self.min_tokens, max_tokens), stop=tuple(self.stop or ()),
+                              seed=None if self.seed is None else self.seed + choice, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] = Field(description="Text, token ids, or a list of one text.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A text, token ids, or a list of either (one choice set per prompt).")
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("a list of prompts is not supported; send one request per prompt")
-            return v[0]
-        if isinstance(v, list) and any(t < 0 for t in v):
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            ids = [t for p in v for t in p]
+        else:
+            ids = v if isinstance(v, list) and v and isinstance(v[0], int) else []
+        if any(t < 0 for t in ids):
             raise ValueError("token ids must be non-negative")
         return v
 
-    def unsupported(self) -> str | None:
-        return "echo is not supported" if self.echo else super().unsupported()
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or each of a list."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is not supported (only equal to n)"
+        return super().unsupported()
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
 
     @field_validator("messages")
     @classmethod
@@ -92,6 +129,34 @@ class ChatCompletionRequest(_Common):
         for m in v:
             m.text()  # raises on non-text parts
         return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported (tool_choice may only be \"none\")"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, min_length=1)
+    tokens: list[int] = Field(max_length=1 << 16)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -113,28 +178,32 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, segmen
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None,
-                    chunk: bool = False) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], use: dict | None, chunk: bool = False) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
     if use is not None or not chunk:
         body["usage"] = use
     return body
 
 
-def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None}], "usage": use}
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "logprobs": logprobs}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, use: dict | None = None,
-               choices: bool = True) -> dict:
+def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, index: int, delta: dict, finish: str | None, logprobs: dict | None = None,
+               use: dict | None = None, choices: bool = True) -> dict:
     body: dict = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+                  "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+                  if choices else []}
     if use is not None:
         body["usage"] = use
     return body
-
-
-Role = Literal["system", "user", "assistant", "tool"]

@@ -93,13 +93,15 @@ class KVReplica:
         metrics.ttft().observe(gen.ttft_s, {"model": self.cfg.name})
         metrics.cached_tokens().observe(gen.cached_tokens, {"model": self.cfg.name})
         yield {"type": "start", "prompt_tokens": len(gen.prompt_ids), "cached_tokens": gen.cached_tokens,
-               "segment_tokens": gen.segment_tokens,
+               "segment_tokens": gen.segment_tokens, "prompt_logprobs": gen.prompt_logprobs,
                "ttft_s": gen.ttft_s, "fetch_s": gen.fetch_s, "node": self.node}
+        sent = 0  # output tokens whose log-probabilities went out (with a delta, or with the end)
         try:
             while True:
                 delta = self.runner.new_text(gen)
                 if delta:
-                    yield {"type": "delta", "text": delta}
+                    yield {"type": "delta", "text": delta, "logprobs": gen.logprobs[sent:gen.completion_tokens]}
+                    sent = max(sent, min(len(gen.logprobs), gen.completion_tokens))
                 if gen.done:
                     break
                 await asyncio.to_thread(self._locked, self.runner.step, gen)
@@ -112,7 +114,7 @@ class KVReplica:
                 # ~0.2 s of replay for a full window: in the background, never before this request's end event
                 self._gap_task = asyncio.get_running_loop().create_task(self._report_gap())
         yield {"type": "end", "finish_reason": gen.finish_reason, "completion_tokens": gen.completion_tokens,
-               "stored_blocks": gen.stored_blocks}
+               "stored_blocks": gen.stored_blocks, "logprobs": gen.logprobs[sent:gen.completion_tokens]}
 
     def _report_hbm(self) -> None:
         """The replica's own tier (hbm): bytes, and evictions since the last report."""

@@ -29,7 +29,7 @@ from .block_store import BlockStore
 from .kv_codec import KVCodec
 from .models import LoadedModel
 from .rope import RopeGeometry, rope_geometry
-from .sampling import SamplingParams, make_generator, next_token
+from .sampling import SamplingParams, make_generator, next_token, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class Generation:
     cache: object = None
     generator: torch.Generator | None = None
     stored_blocks: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # per output token
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # tokens 1..
 
     @property
     def done(self) -> bool:
@@ -122,9 +124,11 @@ class ModelRunner:
         """
         self.check_fits(len(prompt_ids), params.max_tokens)
         t0 = time.perf_counter()
+        whole = params.prompt_logprobs is not None  # every prompt position's logits: nothing from the cache
         gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
-                         self._usable_segments(segments, len(prompt_ids)), generator=make_generator(params, self.device))
-        payloads = self._fetch_prefix(gen.prompt_ids, cache_salt)
+                         [] if whole else self._usable_segments(segments, len(prompt_ids)),
+                         generator=make_generator(params, self.device))
+        payloads = [] if whole else self._fetch_prefix(gen.prompt_ids, cache_salt)
         gen.cache = self.codec.decode(payloads, reuse_buffer=True)  # the prefill below copies out of it
         gen.cached_tokens = len(payloads) * self.block_tokens
         gen.fetch_s = time.perf_counter() - t0
@@ -141,7 +145,10 @@ class ModelRunner:
             pos = s + len(found) * self.block_tokens
             gen.segment_tokens += pos - s
         out = self._forward(gen.prompt_ids[pos:], gen.cache)
-        self._accept(gen, next_token(out.logits[0, -1], params, gen.generator))
+        if whole:
+            gen.prompt_logprobs = [(t, *token_logprobs(out.logits[0, i], t, params.prompt_logprobs))
+                                   for i, t in enumerate(gen.prompt_ids[1:])]
+        self._pick(gen, out.logits[0, -1])
         gen.ttft_s = time.perf_counter() - t0
         return gen
 
@@ -151,7 +158,7 @@ class ModelRunner:
         if gen.done:
             return
         out = self._forward([gen.output_ids[-1]], gen.cache)
-        self._accept(gen, next_token(out.logits[0, -1], gen.params, gen.generator))
+        self._pick(gen, out.logits[0, -1])
 
     def new_text(self, gen: Generation) -> str:
         """Output text not handed out yet (a possible stop-string start is held back until decided)."""
@@ -258,15 +265,28 @@ class ModelRunner:
             good.append(p)
         return good
 
+    def _pick(self, gen: Generation, logits: torch.Tensor) -> None:
+        """Sample the next token (end-of-sequence masked until min_tokens), note its log-probabilities, accept it."""
+        p = gen.params
+        sampled = logits
+        if len(gen.output_ids) < p.min_tokens and not p.ignore_eos and self.loaded.eos_token_ids:
+            sampled = logits.clone()
+            sampled[list(self.loaded.eos_token_ids)] = float("-inf")
+        token = next_token(sampled, p, gen.generator)
+        if p.logprobs is not None:
+            gen.logprobs.append((token, *token_logprobs(logits, token, p.logprobs)))
+        self._accept(gen, token)
+
     def _accept(self, gen: Generation, token: int) -> None:
         gen.output_ids.append(token)
         p, tok = gen.params, self.loaded.tokenizer
         if token in self.loaded.eos_token_ids and not p.ignore_eos:
             gen.hit_eos, gen.finish_reason = True, "stop"  # eos ends the answer and is not part of its text
             return
+        before = len(gen.text)
         gen.text = tok.decode(gen.output_ids, skip_special_tokens=True)
-        for stop in p.stop:
-            at = gen.text.find(stop)
+        for stop in p.stop if len(gen.output_ids) > p.min_tokens else ():
+            at = gen.text.find(stop, max(0, before - len(stop) + 1))  # only where the new text could complete it
             if at >= 0:
                 gen.text = gen.text[:at]
                 gen.finish_reason = "stop"
