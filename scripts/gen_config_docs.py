@@ -85,14 +85,17 @@ SECTIONS = (
     ),
     Section(
         "OpenAI requests",
-        "Request bodies of the HTTP endpoint (`serve_apps/protocol.py`). Unknown fields are ignored, as OpenAI's "
-        "server does; a wrong type or a value out of range is a 422 naming the field; features kvcluster does not "
-        "implement (`n` > 1, `logprobs`, `echo`) are a 400 saying so.",
+        "Request bodies of the HTTP endpoint (`serve_apps/protocol.py`). An unknown field, a wrong type or a value "
+        "out of range is a 400 naming the field in `param` (as vLLM's and OpenAI's servers answer); OpenAI fields "
+        "kvcluster does not implement are accepted only at their neutral value, else a 400 naming them; an "
+        "unknown model is a 404.",
         (
             Model("serve_apps.protocol:CompletionRequest", "`POST /v1/completions`."),
             Model("serve_apps.protocol:ChatCompletionRequest", "`POST /v1/chat/completions`."),
             Model("kvcluster.serving.chat:ChatMessage", "Each entry of `messages`."),
             Model("serve_apps.protocol:StreamOptions", "`stream_options`."),
+            Model("serve_apps.protocol:TokenizeRequest", "`POST /tokenize`."),
+            Model("serve_apps.protocol:DetokenizeRequest", "`POST /detokenize`."),
         ),
     ),
 )
@@ -101,9 +104,9 @@ SECTIONS = (
 VALIDATOR_NOTES = {
     "NodeTiers": "tier names are unique and listed fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
     "PlacementConfig": "`low_water` must be below `high_water`",
-    "CompletionRequest.prompt": "a list of texts must hold exactly one; token ids must be >= 0",
-    "CompletionRequest.stop": "at most 4, none empty",
-    "ChatCompletionRequest.stop": "at most 4, none empty",
+    "CompletionRequest.prompt": "token ids must be >= 0",
+    "CompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
+    "ChatCompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
     "ChatCompletionRequest.messages": "content parts must be of type text",
 }
 # Checks made outside the model (on loading, or by the server), worth knowing when writing the field.
@@ -112,8 +115,8 @@ EXTRA_NOTES = {
                      "block of the model's payload (`block_tokens` x bytes per token).",
     "ServeAppConfig": "`block_tokens` and the model must give the block size the cluster YAML's model sizes, or "
                       "the replica refuses to start.",
-    "CompletionRequest": "`n` > 1, `logprobs` and `echo` are rejected with a 400; `max_tokens` above the app's "
-                         "`max_tokens_limit` or beyond the context window is a 400.",
+    "CompletionRequest": "Prompts x `n` is at most 128 (and at most the app's `max_inflight_requests`); "
+                         "`max_tokens` above the app's `max_tokens_limit` or beyond the context window is a 400.",
     "ChatCompletionRequest": "`max_completion_tokens` wins over `max_tokens`; without either the app's "
                              "`default_chat_max_tokens` applies.",
 }
@@ -136,19 +139,16 @@ FALLBACK_DESCRIPTIONS = {
     "TierEntry.tier": "Which backend: dram, cxl, nvme or pfs.",
     "TierEntry.capacity_gib": "Capacity in GiB, turned into block slots with the model's block payload.",
     "NodeTiers.gpu": "The node's accelerators (prefill compute).",
-    "_Common.model": "Must be the served model's id (`GET /v1/models`).",
     "_Common.temperature": "Sampling temperature; 0 is greedy (default 1).",
     "_Common.top_p": "Nucleus sampling mass (default 1).",
-    "_Common.n": "Completions per request; only 1 is supported.",
+    "_Common.n": "Choices per prompt (choice i samples with seed + i).",
     "_Common.stream": "Stream server-sent events ending in `data: [DONE]`.",
     "_Common.stream_options": "With `include_usage`, a final chunk carries the usage.",
     "_Common.stop": "Generation ends before any of these strings.",
     "_Common.seed": "Makes sampled output repeatable.",
     "_Common.user": "Accepted and ignored.",
-    "_Common.logprobs": "Not supported (a 400 when set).",
     "_Common.ignore_eos": "Keep generating past the end-of-sequence token (benchmarks).",
     "CompletionRequest.max_tokens": "Tokens to generate at most.",
-    "CompletionRequest.echo": "Not supported (a 400 when true).",
     "ChatCompletionRequest.messages": "The conversation; each message is tokenized on its own, so turn k is a "
                                       "prefix of turn k+1.",
     "ChatCompletionRequest.max_tokens": "Tokens to generate at most (older name).",
@@ -157,6 +157,11 @@ FALLBACK_DESCRIPTIONS = {
     "ChatMessage.content": "Text, or OpenAI content parts of type text.",
     "ChatMessage.name": "Accepted and ignored.",
     "StreamOptions.include_usage": "Send a last chunk with `usage` before `[DONE]`.",
+    "TokenizeRequest.model": "The served model's id; may be omitted.",
+    "TokenizeRequest.prompt": "A text (give this or messages).",
+    "TokenizeRequest.messages": "Chat messages, rendered as /v1/chat/completions renders them.",
+    "DetokenizeRequest.model": "The served model's id; may be omitted.",
+    "DetokenizeRequest.tokens": "Token ids to turn back into text.",
 }
 
 

@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = Field(False, description="Accepted (vLLM's field); usage comes in the last chunk.")
 
 
 class _Common(BaseModel):
@@ -33,8 +33,9 @@ class _Common(BaseModel):
     model: str | None = Field(None, min_length=1, description="May be omitted: one model is served.")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="-1, 0 or null: no top-k cut.")
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=-1, description="Sample among the k most likely tokens; -1, 0 or null: all.")
+    min_tokens: int = Field(0, ge=0, description="Neither end-of-sequence nor a stop string ends the answer before "
+                                                 "this many tokens.")
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -43,9 +44,9 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256, description="Tenant salt: blocks are shared only within it.")
     ignore_eos: bool = False
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 (a 400 otherwise).")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 (a 400 otherwise).")
+    logit_bias: dict[str, float] | None = Field(None, description="Only empty (a 400 otherwise).")
 
     @field_validator("stop")
     @classmethod
@@ -82,10 +83,12 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="A text, token ids, or a list of either (one choice set per prompt).")
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    echo: bool = Field(False, description="The answer starts with the prompt (with logprobs: the prompt's too, "
+                                          "computed without the cache).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each token's log-probability and this "
+                                                                         "many most likely alternatives.")
+    suffix: str | None = Field(None, description="Not supported (a 400 when set).")
+    best_of: int | None = Field(None, ge=1, description="Only equal to n (a 400 otherwise).")
 
     @field_validator("prompt")
     @classmethod
@@ -116,12 +119,13 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    logprobs: bool = Field(False, description="Each output token's log-probability (`choices[].logprobs.content`).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token (needs "
+                                                                             "logprobs: true).")
+    tools: list[dict] | None = Field(None, description="Tool calling is not supported: only empty (a 400 otherwise).")
+    tool_choice: str | dict | None = Field(None, description="Only \"none\" (a 400 otherwise).")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
+    response_format: dict | None = Field(None, description="Only {\"type\": \"text\"} (a 400 otherwise).")
 
     @field_validator("messages")
     @classmethod
@@ -149,8 +153,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = Field(None, min_length=1)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: bool = Field(True, description="With a prompt: prepend BOS as completions do.")
+    return_token_strs: bool = Field(False, description="Also the text piece of each token.")
 
 
 class DetokenizeRequest(BaseModel):
