@@ -155,7 +155,6 @@ FALLBACK_DESCRIPTIONS = {
     "ChatCompletionRequest.max_completion_tokens": "Tokens to generate at most.",
     "ChatMessage.role": "Who wrote it; system/developer, user, assistant or tool.",
     "ChatMessage.content": "Text, or OpenAI content parts of type text.",
-    "ChatMessage.name": "Accepted and ignored.",
     "StreamOptions.include_usage": "Send a last chunk with `usage` before `[DONE]`.",
     "TokenizeRequest.model": "The served model's id; may be omitted.",
     "TokenizeRequest.prompt": "A text (give this or messages).",

@@ -161,3 +161,16 @@ def test_streamed_sampled_text_equals_the_whole_answer(client):
         parts = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
         assert "".join(parts) == whole
         assert not any(p.endswith("\ufffd") for p in parts[:-1] if p)  # a held-back byte never ends a chunk
+
+
+def test_readiness_line_names_the_url_once_running():
+    from serve_apps.ready import endpoint_url
+
+    details = {"http_options": {"host": "0.0.0.0", "port": 8000},
+               "applications": {"kvcluster": {"status": "DEPLOYING", "route_prefix": "/"}}}
+    assert endpoint_url(details, "kvcluster") is None
+    details["applications"]["kvcluster"]["status"] = "RUNNING"
+    assert endpoint_url(details, "kvcluster") == "http://0.0.0.0:8000/v1"
+    details["applications"]["kvcluster"]["route_prefix"] = "/secure"
+    assert endpoint_url(details, "kvcluster") == "http://0.0.0.0:8000/secure/v1"
+    assert endpoint_url(details, "other") is None

@@ -23,7 +23,7 @@ class ChatMessage(BaseModel):
 
     role: str = Field(pattern="^(system|developer|user|assistant|tool)$")
     content: str | list[dict] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256, description="Accepted and ignored.")
     kv_reuse: Literal["prefix", "anywhere"] = Field(
         "prefix", description="anywhere: this message's KV may be reused at another position (a document or tool "
                               "result), re-rotated; approximate beyond layer 0, so opt-in.")
