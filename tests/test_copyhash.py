@@ -409,14 +409,29 @@ def test_pfs_sums_on_another_core_and_stores_a_batch_duplicate_once(tmp_path: Pa
     assert pfs.contains([ks[2]]) == [True] and pfs.stats()["corrupt"] == 1  # the shared file is still there
 
 
-def test_old_format_pfs_files_are_misses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])  # 1: an xxh3 of the payload; 2: sums finalized with xxh3
+def test_old_format_pfs_files_are_misses(tmp_path: Path, version: int) -> None:
     (k,), (data,) = big_batch(1, 4096, "v1")
     pfs = PFSBackend(tmp_path, 1 << 20)
     pfs.put_many([(k, data)])
     raw = bytearray(pfs.path_for(k).read_bytes())
-    raw[4:6] = (1).to_bytes(2, "little")  # version 1 held an xxh3 digest
+    raw[4:6] = version.to_bytes(2, "little")
     pfs.path_for(k).write_bytes(bytes(raw))
     assert pfs.get_many([k]) == [None]
+
+
+def test_a_change_in_any_one_sum_changes_the_digest() -> None:
+    """The finalizer is a bijection of each sum with the others fixed: no single-sum change can collide."""
+    from kvcluster.storage.copyhash import _digest
+
+    base_a, base_b = np.arange(1, 5, dtype=np.uint64), np.arange(5, 9, dtype=np.uint64)
+    digest = _digest(base_a, base_b, 4096)
+    for lane in range(8):
+        for flip in (1, 1 << 40, 1 << 63):
+            a, b = base_a.copy(), base_b.copy()
+            (a if lane < 4 else b)[lane % 4] ^= np.uint64(flip)
+            assert _digest(a, b, 4096) != digest
+    assert _digest(base_a, base_b, 4095) != digest  # the length is in it too
 
 
 def test_dram_pool_threads_a_large_batch_and_catches_corruption() -> None:

@@ -8,7 +8,9 @@ costs two vector adds per 32 bytes on registers a copy loads anyway:
 - four interleaved Fletcher sums over 64-bit little-endian words: word i goes to
   lane i % 4, where `a += w` and `b += a` (mod 2^64); a tail shorter than 32 bytes
   is zero-padded to one more stripe;
-- the digest is xxh3-64, seeded with the byte length, of a[0..3] and b[0..3].
+- the digest chains the byte length and a[0..3], b[0..3], each tagged with its
+  place, through MurmurHash3's 64-bit finalizer (a bijection): a change confined
+  to one sum always changes the digest.
 
 `a` catches any change confined to one word (every single-bit error); `b` weighs
 words by position, so swapped or shifted data is caught; a torn write, a zeroed
@@ -18,8 +20,7 @@ distance apart. ZFS's default data checksum (fletcher4) is of this family.
 
 The native module (`_copyhash`, built by setup.py from `native/`) fuses the sums
 into the copy and into 256 KiB file reads, with the GIL released. Without
-it (no C compiler at install time) numpy + xxhash compute the same digests,
-slower. `KERNEL` says which runs: "avx2", "base" (native, no AVX2) or "python".
+it (no C compiler at install time) numpy computes the same digests, slower. `KERNEL` says which runs: "avx2", "base" (native, no AVX2) or "python".
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import xxhash
 
 try:
     from . import _copyhash as _native
@@ -36,6 +36,24 @@ except ImportError:  # the optional extension was not built
 
 KERNEL: str = _native.KERNEL if _native is not None else "python"
 STRIPE = 32
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _fmix64(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _M64
+    return x ^ (x >> 33)
+
+
+def _digest(a: np.ndarray, b: np.ndarray, n: int) -> int:
+    """The byte length and the eight sums chained through the finalizer, as `native/kernel.h` does."""
+    h = _fmix64((n ^ _GOLDEN) & _M64)
+    for place, word in enumerate([*a.tolist(), *b.tolist()], start=1):
+        h = _fmix64(h ^ _fmix64((word + _GOLDEN * place) & _M64))
+    return h
 
 
 def _bytes(buf) -> np.ndarray:
@@ -54,7 +72,7 @@ def _hash_py(src) -> int:
     a = words.sum(axis=0, dtype=np.uint64)
     weights = np.arange(len(words), 0, -1, dtype=np.uint64)  # word k enters b once per stripe from k on
     b = (words * weights[:, None]).sum(axis=0, dtype=np.uint64)
-    return xxhash.xxh3_64_intdigest(a.astype("<u8").tobytes() + b.astype("<u8").tobytes(), seed=n)
+    return _digest(a, b, n)
 
 
 def _copy_hash_py(dst, src) -> int:

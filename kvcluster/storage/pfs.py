@@ -31,7 +31,7 @@ from .parallel import BatchWorkers
 
 MAGIC = b"KVCB"
 HEADER = struct.Struct("<4sHxxQQ")  # magic, version, length, checksum
-VERSION = 2  # 1 held an xxh3-64 of the payload: such files fail the version check and are misses
+VERSION = 3  # 1 held an xxh3-64 of the payload, 2 an xxh3-finalized fletcher64x4: such files are misses
 
 
 class PFSBackend(StorageBackend):

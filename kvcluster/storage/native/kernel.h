@@ -2,8 +2,8 @@
  *
  * The checksum ("fletcher64x4") is four interleaved Fletcher sums over 64-bit
  * little-endian words: word i goes to lane i % 4, where a += w and b += a (mod 2^64).
- * A tail shorter than 32 bytes is zero-padded to one more stripe. The digest is
- * XXH3_64bits, seeded with the byte length, of the eight sums a[0..3], b[0..3].
+ * A tail shorter than 32 bytes is zero-padded to one more stripe. The digest folds
+ * the byte length and the eight sums a[0..3], b[0..3] into 64 bits (see `digest`).
  *
  * Why not xxh3 over the payload: on these CPUs xxh3 runs at about the speed of a
  * copy, so a checksummed read cost ~1.6x a plain copy. Two vector adds per 32 bytes,
@@ -22,8 +22,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -109,15 +107,29 @@ static void KVC_FN(sum_bytes)(kvc_sums *s, void *dst, const void *src, size_t n)
     }
 }
 
+#ifndef KVC_GOLDEN
+#define KVC_GOLDEN 0x9E3779B97F4A7C15ULL /* 2^64 / golden ratio: spreads the word indices apart */
+
+/* MurmurHash3's 64-bit finalizer: a bijection whose every output bit depends on every input bit. */
+static inline uint64_t kvc_fmix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+#endif
+
+/* The digest: the byte length, then each of the eight sums (tagged with its place), mixed and
+ * chained through the finalizer. Every step is a bijection of the chain value for a fixed word and
+ * of the word for a fixed chain value, so a change confined to one sum always changes the digest;
+ * changes in several collide with probability ~2^-64. */
 static uint64_t KVC_FN(digest)(const kvc_sums *s, size_t n) {
-    unsigned char bytes[64];
-    for (int l = 0; l < 4; l++) {
-        for (int k = 0; k < 8; k++) {
-            bytes[l * 8 + k] = (unsigned char)(s->a[l] >> (8 * k));
-            bytes[32 + l * 8 + k] = (unsigned char)(s->b[l] >> (8 * k));
-        }
-    }
-    return XXH3_64bits_withSeed(bytes, sizeof bytes, (XXH64_hash_t)n);
+    uint64_t h = kvc_fmix64((uint64_t)n ^ KVC_GOLDEN);
+    for (int l = 0; l < 4; l++) h = kvc_fmix64(h ^ kvc_fmix64(s->a[l] + KVC_GOLDEN * (uint64_t)(l + 1)));
+    for (int l = 0; l < 4; l++) h = kvc_fmix64(h ^ kvc_fmix64(s->b[l] + KVC_GOLDEN * (uint64_t)(l + 5)));
+    return h;
 }
 
 uint64_t KVC_FN(kvc_hash)(const void *src, size_t n) {
