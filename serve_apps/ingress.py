@@ -38,9 +38,9 @@ from .logprobs import piece
 from .metrics_middleware import RequestMetrics
 from .prompt_encoder import PromptEncoder, PromptTooLong
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
-                       new_id, usage)
+                       new_id)
 from .ready import announce_when_ready
-from .render import Answer, ChatRender, Choice, CompletionRender, prompt_text
+from .render import Answer, ChatRender, Choice, CompletionRender, gather, merge, prompt_text, total_usage
 from .replica import cache_cluster
 
 log = logging.getLogger(__name__)
@@ -51,33 +51,6 @@ errors.install(app)
 
 REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 MAX_CHOICES = 128  # prompts x n in one request
-
-
-async def _gather(first: dict, events) -> Answer:
-    """One replica stream, whole."""
-    start, parts, end, entries, event = None, [], None, [], first
-    while True:
-        if event["type"] == "error":
-            raise APIError(400, event["message"], code="context_length_exceeded")
-        if event["type"] == "start":
-            start = event
-        elif event["type"] == "delta":
-            parts.append(event["text"])
-            entries += event.get("logprobs") or []
-        elif event["type"] == "end":
-            end = event
-            entries += event.get("logprobs") or []
-        try:
-            event = await events.__anext__()
-        except StopAsyncIteration:
-            return Answer(start, "".join(parts), end, entries)
-
-
-def _usage(starts: dict[int, dict], ends: dict[int, dict], n: int) -> dict:
-    """Usage summed over choices; a prompt's tokens count once, not once per each of its n choices."""
-    firsts = [s for i, s in starts.items() if i % n == 0]
-    return usage(sum(s["prompt_tokens"] for s in firsts), sum(e["completion_tokens"] for e in ends.values()),
-                 sum(s["cached_tokens"] for s in firsts), sum(s.get("segment_tokens", 0) for s in firsts))
 
 
 NODE_HEADER = "x-kvcluster-node"  # the cluster node whose replica answered (operators: is routing sticky?)
@@ -216,7 +189,8 @@ class OpenAIIngress:
         starts = {c.index: a.start for (c, _), a in zip(jobs, answers)}
         ends = {c.index: a.end for (c, _), a in zip(jobs, answers)}
         choices = [render.whole(c, a) for (c, _), a in zip(jobs, answers)]
-        return JSONResponse(render.body(choices, _usage(starts, ends, body.n)), headers=_node_headers(answers[0].start))
+        return JSONResponse(render.body(choices, total_usage(starts, ends, body.n)),
+                            headers=_node_headers(answers[0].start))
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -365,7 +339,7 @@ class OpenAIIngress:
         for _ in range(self.cfg.replica_retries + 1):
             events, first = await self._first_event(job)
             try:
-                return await _gather(first, events)
+                return await gather(first, events)
             except REPLICA_LOST:
                 metrics.faults().inc(1, {"component": "replica", "kind": "replica_lost"})
         raise APIError(503, "the model replica failed during this request; retry", kind="server_error",
@@ -399,39 +373,11 @@ class OpenAIIngress:
             release()
             raise APIError(400, bad["message"], code="context_length_exceeded")
 
-        async def pump(choice: Choice, events, first: dict, queue: asyncio.Queue) -> None:
-            try:
-                await queue.put((choice, first))
-                async for event in events:
-                    await queue.put((choice, event))
-            except Exception as exc:  # noqa: BLE001 - handed to the stream, which reports it in-band
-                await queue.put((choice, exc))
-            finally:
-                await queue.put((choice, None))
-
         async def body():
-            queue: asyncio.Queue = asyncio.Queue()
-            tasks = [asyncio.create_task(pump(c, ev, first, queue)) for (c, _), (ev, first) in zip(jobs, opened)]
-            starts, ends, running = {}, {}, len(tasks)
             try:
-                while running:
-                    choice, event = await queue.get()
-                    if event is None:
-                        running -= 1
-                    elif isinstance(event, Exception):
-                        raise event
-                    elif event["type"] == "start":
-                        starts[choice.index] = event
-                        for chunk in render.opening(choice, event):
-                            yield _sse(chunk)
-                    elif event["type"] == "delta":
-                        yield _sse(render.delta(choice, event))
-                    elif event["type"] == "end":
-                        ends[choice.index] = event
-                        for chunk in render.end(choice, event):
-                            yield _sse(chunk)
-                if include_usage:
-                    yield _sse(render.usage_chunk(_usage(starts, ends, n)))
+                async for chunk in merge([(c, ev, first) for (c, _), (ev, first) in zip(jobs, opened)], render, n,
+                                         include_usage):
+                    yield _sse(chunk)
             except Exception as exc:  # a replica died mid-stream: say so in-band, then end the stream
                 log.warning("stream failed: %s", exc)
                 metrics.faults().inc(1, {"component": "ingress", "kind": "stream_failed"})
@@ -440,8 +386,6 @@ class OpenAIIngress:
                 yield _sse(error_body(f"generation failed: {type(exc).__name__}; retry the request",
                                       kind="server_error"))
             finally:
-                for task in tasks:
-                    task.cancel()
                 release()
             yield _sse("[DONE]")
 

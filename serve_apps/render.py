@@ -3,16 +3,20 @@
 A request fans out into choices (each prompt times `n`); each choice is one
 replica stream of events: `start` (token counts, prompt log-probabilities when
 asked), `delta`s (text, and the log-probabilities of the tokens behind it),
-`end` (finish reason, the last log-probabilities). A renderer turns one choice's
-events into its part of the response; the ingress merges the choices.
+`end` (finish reason, the last log-probabilities). `gather` collects one stream
+whole; `merge` interleaves the choices' streams as their replicas produce them;
+a renderer turns one choice's events into its part of the response.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
+from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
-from .protocol import chat_body, chat_choice, chat_chunk, completion_body, completion_choice
+from .protocol import chat_body, chat_choice, chat_chunk, completion_body, completion_choice, usage
 
 
 @dataclass
@@ -110,6 +114,74 @@ class ChatRender:
 
     def usage_chunk(self, use: dict) -> dict:
         return chat_chunk(self.rid, self.model, 0, {}, None, use=use, choices=False)
+
+
+async def gather(first: dict, events) -> Answer:
+    """One replica stream, whole."""
+    start, parts, end, entries, event = None, [], None, [], first
+    while True:
+        if event["type"] == "error":
+            raise APIError(400, event["message"], code="context_length_exceeded")
+        if event["type"] == "start":
+            start = event
+        elif event["type"] == "delta":
+            parts.append(event["text"])
+            entries += event.get("logprobs") or []
+        elif event["type"] == "end":
+            end = event
+            entries += event.get("logprobs") or []
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return Answer(start, "".join(parts), end, entries)
+
+
+def total_usage(starts: dict[int, dict], ends: dict[int, dict], n: int) -> dict:
+    """Usage summed over choices; a prompt's tokens count once, not once per each of its n choices."""
+    firsts = [s for i, s in starts.items() if i % n == 0]
+    return usage(sum(s["prompt_tokens"] for s in firsts), sum(e["completion_tokens"] for e in ends.values()),
+                 sum(s["cached_tokens"] for s in firsts), sum(s.get("segment_tokens", 0) for s in firsts))
+
+
+async def merge(streams: list, render, n: int, include_usage: bool) -> AsyncIterator[dict]:
+    """Chunks of every choice's stream `(choice, events, first event)`, in the order the replicas produce them;
+    a stream's failure is raised here (the caller reports it in-band)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice, events, first: dict) -> None:
+        try:
+            await queue.put((choice, first))
+            async for event in events:
+                await queue.put((choice, event))
+        except Exception as exc:  # noqa: BLE001 - handed to the merged stream
+            await queue.put((choice, exc))
+        finally:
+            await queue.put((choice, None))
+
+    tasks = [asyncio.create_task(pump(*stream)) for stream in streams]
+    starts, ends, running = {}, {}, len(tasks)
+    try:
+        while running:
+            choice, event = await queue.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, Exception):
+                raise event
+            elif event["type"] == "start":
+                starts[choice.index] = event
+                for chunk in render.opening(choice, event):
+                    yield chunk
+            elif event["type"] == "delta":
+                yield render.delta(choice, event)
+            elif event["type"] == "end":
+                ends[choice.index] = event
+                for chunk in render.end(choice, event):
+                    yield chunk
+        if include_usage:
+            yield render.usage_chunk(total_usage(starts, ends, n))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def prompt_text(tokenizer, prompt: str | list[int]) -> str:
