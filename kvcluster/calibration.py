@@ -1,7 +1,7 @@
 """Calibration of the reuse-gap predictor on a trace: Brier score and a reliability table.
 
 Every block reference gets the predictor's P(used again within t) from what was
-learnt before it (the `bayes-hd` policy's hazards, updated online as the trace
+learnt before it (the `bayes` policy's hazards, updated online as the trace
 plays), and the trace then says whether it was. A predictor that says 0.3
 should be right about 30% of the time: the reliability table bins the
 predictions by decile and sets the mean prediction of each bin against the
@@ -11,7 +11,7 @@ share that came true.
 from __future__ import annotations
 
 from .policies.base import RequestContext
-from .policies.bayes_hd import BayesHDPolicy
+from .policies.bayes import BayesPolicy
 from .simulator import PreparedTrace
 
 
@@ -27,7 +27,7 @@ def calibrate(trace: PreparedTrace, horizon_s: float = 60.0) -> dict:
         next_time[i] = [last.get(b, inf) - t for b in trace.blocks[i]]
         for b in trace.blocks[i]:
             last[b] = t
-    policy = BayesHDPolicy(capacity=trace.unique_blocks)  # only its learning matters here
+    policy = BayesPolicy(capacity=trace.unique_blocks)  # only its learning matters here
     sums = [[0, 0.0, 0] for _ in range(10)]  # per decile: count, summed prediction, came true
     brier = base = 0.0
     n = 0

@@ -127,11 +127,11 @@ def build_hierarchy(
     head_importance: Sequence[float] | None = None,
     policy_options: dict | None = None,
 ) -> Hierarchy:
-    """One policy instance per tier; each `bayes` tier learns its own traffic's posteriors."""
+    """One policy instance per tier; each `bayes-v1` tier learns its own traffic's posteriors."""
     policies = []
     for tier in plan:
         kwargs: dict = dict(policy_options or {})
-        if policy == "bayes":
+        if policy == "bayes-v1":
             kwargs.update(predictor=ReusePredictor(predictor_config), heads=heads, head_importance=head_importance)
         policies.append(make_policy(policy, tier.capacity_blocks, **kwargs))
     return Hierarchy([t.name for t in plan], policies)

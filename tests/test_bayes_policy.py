@@ -1,4 +1,4 @@
-"""The `bayes` policy: value ordering, prefix-closed eviction, integrity."""
+"""The `bayes-v1` policy (GreedyDual over the Beta predictor): value ordering, prefix-closed eviction, integrity."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvcluster.block_types import BlockType, TransitionType
 from kvcluster.policies.base import RequestContext
-from kvcluster.policies.bayes import BayesPolicy
+from kvcluster.policies.bayes_v1 import BayesV1Policy as BayesPolicy
 from kvcluster.predictor import PredictorConfig, ReusePredictor
 
 

@@ -14,7 +14,7 @@ from kvcluster.policies.registry import make_policy, policy_names
 from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces.base import Trace, TraceRequest
 
-POLICIES = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-hd", "belady"]
+POLICIES = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-v1", "belady"]
 
 
 def make_trace(requests: list[list[int]], gap_s: float = 1.0) -> Trace:
@@ -75,12 +75,12 @@ def test_replay_invariants(requests, cap0, cap1) -> None:
 
 def test_head_shards_count_partial_hits() -> None:
     prepared = prepare(make_trace([[1, 2, 3], [1, 2, 3]]))
-    whole = replay(prepared, "bayes", [TierPlan("hbm", 3)], heads=4)
+    whole = replay(prepared, "bayes-v1", [TierPlan("hbm", 3)], heads=4)
     assert whole.hit_rate == pytest.approx(0.5)  # 3 of 6 refs hit, all shards present
-    tight = replay(prepared, "bayes", [TierPlan("hbm", 3)], heads=4, head_importance=[1, 0.5, 0.25, 0.1])
+    tight = replay(prepared, "bayes-v1", [TierPlan("hbm", 3)], heads=4, head_importance=[1, 0.5, 0.25, 0.1])
     assert tight.hit_rate == whole.hit_rate
     squeezed = prepare(make_trace([[1, 2, 3], [9], [1, 2, 3]]))
-    r = replay(squeezed, "bayes", [TierPlan("hbm", 3)], heads=4, head_importance=[1, 0.5, 0.25, 0.1])
+    r = replay(squeezed, "bayes-v1", [TierPlan("hbm", 3)], heads=4, head_importance=[1, 0.5, 0.25, 0.1])
     # block 9 pushed out the least important shards (of block 3 and of itself): block 3 is a partial hit
     assert r.partial_hit_rate == pytest.approx(1 / 7) and r.hit_rate == pytest.approx(2 / 7)
 

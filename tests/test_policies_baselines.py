@@ -13,7 +13,7 @@ from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces import load_trace
 
 CTX = RequestContext(0, 0.0)
-ONLINE = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-hd"]
+ONLINE = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-v1"]
 
 
 def evictions(policy: str, seq: list[int], capacity: int) -> list[int]:

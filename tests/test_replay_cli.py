@@ -44,9 +44,9 @@ def test_replay_over_a_node_s_tiers_reports_references(capsys, tmp_path: Path) -
 
 
 def test_replay_calibration_reports_brier_and_reliability(capsys) -> None:
-    code, data, _ = run(capsys, "replay", FIXTURE, "--policies", "sieve,bayes-hd", "--capacity-blocks", "4",
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policies", "sieve,bayes", "--capacity-blocks", "4",
                         "--calibration", "30", "--json")
-    assert code == 0 and [r["policy"] for r in data["results"]] == ["sieve", "bayes-hd"]
+    assert code == 0 and [r["policy"] for r in data["results"]] == ["sieve", "bayes"]
     cal = data["calibration"]
     assert cal["horizon_s"] == 30 and cal["references"] == data["block_refs"]
     assert 0 <= cal["brier"] <= 1 and 0 <= cal["brier_base_rate"] <= 0.25

@@ -8,7 +8,7 @@ from ..errors import ConfigError
 from .base import EvictionPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
-_BUILTIN = ("lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes_hd", "belady")
+_BUILTIN = ("lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes_v1", "belady")
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
