@@ -101,34 +101,6 @@ class GapModel:
             k += 1
         return 1.0 - survive
 
-    def waits(self, hazards: list[list[float]] | None = None) -> list[list[float]]:
-        """Expected seconds until the next use per class and age bin, counted from the bin's start.
-
-        A block not used again by the end of the last bin counts as used then
-        (twice that bin's start), so "never" is the longest wait, not infinity.
-        This is the quantity Belady ranks by, estimated. O(bins) per class."""
-        hs = hazards if hazards is not None else self.all_hazards()
-        k_bins = self.config.bins
-        edges, widths = self.edges, self.widths
-        cap = 2.0 * edges[-1] + widths[-1]
-        out = []
-        done: dict[int, list[float]] = {}
-        for h in hs:
-            if id(h) in done:
-                out.append(done[id(h)])
-                continue
-            surv = [1.0] * (k_bins + 1)
-            for i in range(k_bins):
-                surv[i + 1] = surv[i] * (1.0 - h[i])
-            acc = surv[k_bins] * cap  # never back within the bins
-            row = [0.0] * k_bins
-            for i in range(k_bins - 1, -1, -1):
-                acc += surv[i] * h[i] * (edges[i] + 0.5 * widths[i])
-                row[i] = (acc / surv[i] - edges[i]) if surv[i] > 0 else cap
-            done[id(h)] = row
-            out.append(row)
-        return out
-
     def densities(self, horizon_bin: int, hazards: list[list[float]] | None = None) -> list[list[float]]:
         """Hit density per class and age bin: expected reuses before the horizon per second held.
 
