@@ -112,8 +112,9 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     for name, p in result["phases"].items():
-        print(f"{name:16s} {p['requests']:4d} requests, {p['errors']} errors, cached {p['cached_share']}, "
-              f"TTFT p50 {p['ttft_ms_p50']} ms, latency p50 {p['latency_ms_p50']} ms / p99 {p['latency_ms_p99']} ms")
+        ms = {k: "-" if p[k] is None else f"{p[k]:.0f}" for k in ("ttft_ms_p50", "latency_ms_p50", "latency_ms_p99")}
+        print(f"{name:16s} {p['requests']:4d} requests, {p['errors']} errors, cached {p['cached_share']:.1%}, "
+              f"TTFT p50 {ms['ttft_ms_p50']} ms, latency p50 {ms['latency_ms_p50']} ms / p99 {ms['latency_ms_p99']} ms")
     for key, value in result["ratios"].items():
         print(f"{key}: {value}")
     return 0
