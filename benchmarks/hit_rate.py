@@ -2,7 +2,7 @@
 
 Reference in the same run: LRU (the floor to beat) and Belady's MIN (the offline
 near-bound). Prints a markdown table with the share of the LRU->Belady gap that
-each predictive policy (`bayes`, `bayes-hd`) closes, and optionally the whole report as JSON.
+each predictive policy (`bayes`, `bayes-v1`) closes, and optionally the whole report as JSON.
 
     .venv/bin/python benchmarks/hit_rate.py [--json out.json] [--sharegpt-records N]
 """
@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(policy_names()))
     args = parser.parse_args()
     policies = args.policies.split(",")
-    learnt = [p for p in ("bayes", "bayes-hd") if p in policies]
+    learnt = [p for p in ("bayes", "bayes-v1") if p in policies]
     report = []
     print("| trace | capacity | blocks | " + " | ".join(policies) + "".join(f" | {p} gap closed" for p in learnt) + " |")
     print("|---|---|---|" + "---|" * (len(policies) + len(learnt)))

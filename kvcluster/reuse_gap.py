@@ -63,13 +63,10 @@ class GapModel:
         return [min(1.0, (reused[i] + w * pooled[i]) / (reached[i] + w)) for i in range(k)]
 
     def _pooled(self) -> list[float]:
-        k = self.config.bins
-        out = []
-        for i in range(k):
-            n = sum(r[i] for r in self.reached)
-            hits = sum(r[i] for r in self.reused)
-            out.append((hits + 0.5) / (n + 1.0) if n else 0.5)  # Jeffreys-like: a bin nobody reached yet
-        return out
+        reached = [sum(col) for col in zip(*self.reached)]
+        reused = [sum(col) for col in zip(*self.reused)]
+        # a bin nobody reached yet: no evidence either way (Jeffreys-like 0.5)
+        return [(hits + 0.5) / (n + 1.0) if n else 0.5 for n, hits in zip(reached, reused)]
 
     def all_hazards(self) -> list[list[float]]:
         """Hazards of every class; classes never seen share one row (the pooled hazard)."""

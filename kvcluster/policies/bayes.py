@@ -97,6 +97,8 @@ class BayesPolicy(EvictionPolicy):
         self._hazards = self.model.all_hazards()  # as of the last refresh
         self._dens = self.model.densities(self._lastbin, self._hazards)
         self._sessions: dict[str, tuple[float, int]] = {}  # session -> (last request time, gap bucket)
+        self._due = float("inf")  # when the next group reaches a new age bin
+        self._ends: dict[int, tuple[tuple, float]] = {}  # eviction candidates kept while their age bin holds
 
     def __contains__(self, block: int) -> bool:
         return self._last.get(block, -1) >= 0
@@ -119,9 +121,12 @@ class BayesPolicy(EvictionPolicy):
 
     def _cross(self, now: float) -> None:
         """Count the blocks of every group that just reached a new age bin unused."""
+        if now < self._due:
+            return
         edges, crossing, gtime, galive, gcls = self._edges, self._crossing, self._gtime, self._galive, self._gcls
         reached = self.model.reached
         last = self._lastbin
+        due = float("inf")
         for k in range(1, last + 1):
             q = crossing[k]
             edge = edges[k]
@@ -132,11 +137,15 @@ class BayesPolicy(EvictionPolicy):
                     reached[gcls[g]][k] += alive
                     if k < last:
                         crossing[k + 1].append(g)
+            if q and gtime[q[0]] + edge < due:
+                due = gtime[q[0]] + edge
+        self._due = due
 
     def _refresh(self) -> None:
         horizon = age_bin(self._evict_age * self._horizon_factor, self._base, self._lastbin)
         self._hazards = self.model.all_hazards()
         self._dens = self.model.densities(horizon, self._hazards)
+        self._ends.clear()
 
     def _session_class(self, ctx: RequestContext, remember: bool) -> int:
         """Class of the request's blocks but its last: transition and the session's last gap."""
@@ -216,6 +225,9 @@ class BayesPolicy(EvictionPolicy):
         self._galive[gid] = m
         self.model.reached[cls][0] += m
         self._crossing[1].append(gid)
+        due = self._gtime[gid] + self._edges[1]
+        if due < self._due:
+            self._due = due
         self._gblocks[gid] = members
         self._queues[cls].append(gid)
         self._active.add(cls)
@@ -259,6 +271,8 @@ class BayesPolicy(EvictionPolicy):
         last, gtime, gblocks, queues, dens = self._last, self._gtime, self._gblocks, self._queues, self._dens
         base, lastbin = self._base, self._lastbin
         heads = []
+        memo = self._ends  # (class, side) -> the candidate as computed, and until when its age bin holds
+        edges = self._edges
         for c in list(self._active):
             q = queues[c]
             while q and not gblocks[q[0]]:
@@ -268,19 +282,25 @@ class BayesPolicy(EvictionPolicy):
             if not q:
                 self._active.discard(c)
                 continue
-            row = dens[c]
-            g = q[0]
-            age = now - gtime[g]
-            heads.append((row[0 if age < base else min(int(age / base).bit_length(), lastbin)], -age, c, g, 0))
-            g = q[-1]
-            if g != q[0]:
-                age = now - gtime[g]
-                heads.append((row[0 if age < base else min(int(age / base).bit_length(), lastbin)], -age, c, g, 1))
+            for side in (0, 1):
+                g = q[-1] if side else q[0]
+                if side and g == q[0]:
+                    break
+                hit = memo.get(c * 2 + side)
+                if hit is not None and hit[0][3] == g and now < hit[1]:
+                    heads.append(hit[0])
+                    continue
+                t = gtime[g]
+                age = now - t
+                k = 0 if age < base else min(int(age / base).bit_length(), lastbin)
+                cand = (dens[c][k], t, c, g, side)
+                memo[c * 2 + side] = (cand, t + edges[k + 1] if k < lastbin else float("inf"))
+                heads.append(cand)
         heapq.heapify(heads)
         evicted: list[int] = []
         ages = 0.0
         while need > 0 and heads:
-            _, neg_age, c, gid, side = heapq.heappop(heads)
+            _, t, c, gid, side = heapq.heappop(heads)
             q = queues[c]
             if not q or (q[-1] if side else q[0]) != gid:
                 continue  # that end moved since: the other end of the class took it
@@ -292,7 +312,7 @@ class BayesPolicy(EvictionPolicy):
                     last[b] = ~gid
                     evicted.append(b)
                     need -= 1
-            ages -= neg_age * (before - need)
+            ages += (now - t) * (before - need)
             if members:
                 break
             if side:
@@ -307,7 +327,7 @@ class BayesPolicy(EvictionPolicy):
                 g = q[-1] if side else q[0]
                 age = now - gtime[g]
                 heapq.heappush(heads, (dens[c][0 if age < base else min(int(age / base).bit_length(), lastbin)],
-                                       -age, c, g, side))
+                                       gtime[g], c, g, side))
             else:
                 self._active.discard(c)
         self._size -= len(evicted)
