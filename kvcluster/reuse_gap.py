@@ -63,10 +63,19 @@ class GapModel:
         return [min(1.0, (reused[i] + w * pooled[i]) / (reached[i] + w)) for i in range(k)]
 
     def _pooled(self) -> list[float]:
+        """Hazard of all classes together per bin; a bin with little data leans on the bin before it.
+
+        The prior of bin k is one pseudo-observation of bin k-1's pooled hazard, so an age nobody
+        (or hardly anybody) has reached yet carries on the hazard seen just before, instead of a
+        flat 0.5 that would make very old blocks look valuable. Bin 0's prior is the hazard that
+        spreads even odds of ever coming back evenly over all bins."""
         reached = [sum(col) for col in zip(*self.reached)]
         reused = [sum(col) for col in zip(*self.reused)]
-        # a bin nobody reached yet: no evidence either way (Jeffreys-like 0.5)
-        return [(hits + 0.5) / (n + 1.0) if n else 0.5 for n, hits in zip(reached, reused)]
+        out, prev = [], 1.0 - 0.5 ** (1.0 / self.config.bins)
+        for n, hits in zip(reached, reused):
+            prev = (hits + prev) / (n + 1.0)
+            out.append(prev)
+        return out
 
     def all_hazards(self) -> list[list[float]]:
         """Hazards of every class; classes never seen share one row (the pooled hazard)."""

@@ -13,11 +13,14 @@ def test_age_bins_double_after_the_first() -> None:
 
 def test_hazard_is_shrunk_towards_the_pooled_hazard() -> None:
     m = GapModel(2, GapModelConfig(bins=4, prior_weight=2.0))
-    m.reached[0][0], m.reused[0][0] = 8, 6
-    pooled = (6 + 0.5) / (8 + 1)
+    m.reached[0][0], m.reached[0][1], m.reused[0][0] = 8, 2, 6
+    start = 1 - 0.5 ** (1 / 4)  # even odds of ever coming back, spread over the 4 bins
+    pooled = (6 + start) / (8 + 1)
     assert m.hazards(0)[0] == pytest.approx((6 + 2 * pooled) / (8 + 2))
     assert m.hazards(1)[0] == pytest.approx(pooled)  # a class with no data is the population
-    assert m.hazards(1)[3] == pytest.approx(0.5)  # a bin nobody reached
+    assert m.hazards(1)[1] == pytest.approx(pooled / 3)  # reached by 2, reused by none, prior from bin 0
+    assert m.hazards(1)[3] == pytest.approx(pooled / 3)  # a bin nobody reached carries on the one before
+    assert GapModel(1, GapModelConfig(bins=4)).hazards(0) == pytest.approx([start] * 4)
 
 
 def test_p_reuse_within_counts_whole_and_partial_bins() -> None:
