@@ -169,6 +169,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         node=args.node,
         prefetch_lead_s=args.prefetch_lead_s,
         calibration_horizon_s=args.calibration or 0.0,
+        lookahead_s=args.lookahead_s,
     )
     options.validate()
     trace = _load_trace(args)
@@ -191,9 +192,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         [r.get("deployment", r["policy"]), f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
          " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
          f"{r['projected_ttft_s']['mean'] * 1e3:.1f}", f"{r['refs_per_s']:,}"]
+        + ([f"{r['lookahead']['hit_rate']:.4f}" if "lookahead" in r else "-"] if args.lookahead_s else [])
         for r in report["results"] + report.get("reference_deployments", [])
     ]
-    print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]))
+    print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]
+                 + ([f"hit, {args.lookahead_s:g} s look-ahead"] if args.lookahead_s else [])))
     if "calibration" in report:
         cal = report["calibration"]
         print(f"\nreuse-gap predictor, P(reuse within {cal['horizon_s']:g} s) over {cal['references']:,} refs: "
@@ -325,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(default h100-node)")
     rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
                     help="prefetch blocks of requests arriving within this many seconds (multi-tier only)")
+    rp.add_argument("--lookahead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                    help="also replay each capacity point with the blocks of requests queued within SECONDS "
+                         "pinned; reported in its own column (single tier, --capacity-* only)")
     rp.add_argument("--calibration", type=_non_negative_float, nargs="?", const=60.0, metavar="SECONDS",
                     help="also score the reuse-gap predictor: Brier score and reliability per decile of "
                          "P(reuse within SECONDS) (default 60)")

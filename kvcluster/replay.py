@@ -33,6 +33,7 @@ class ReplayOptions:
     model: str = "llama-3.1-8b"
     node: str = "h100-node"
     prefetch_lead_s: float = 0.0
+    lookahead_s: float = 0.0  # > 0: also replay each single-tier point with queue look-ahead
     calibration_horizon_s: float = 0.0  # > 0: also score the reuse-gap predictor's P(reuse within this)
 
     def validate(self) -> None:
@@ -47,6 +48,11 @@ class ReplayOptions:
             raise ConfigError("--capacity-frac values must be in (0, 1]")
         if any(n < 0 for n in self.capacity_blocks):
             raise ConfigError("--capacity-blocks values must be >= 0")
+        if self.lookahead_s < 0:
+            raise ConfigError("--lookahead-s must be >= 0 seconds")
+        if self.lookahead_s > 0 and self.tiers:
+            raise ConfigError("--lookahead-s pins blocks in one tier: use it with --capacity-*, or "
+                              "--prefetch-lead-s with --tiers")
         if self.calibration_horizon_s < 0:
             raise ConfigError("--calibration horizon must be > 0 seconds")
 
@@ -86,6 +92,9 @@ def run_replay(
                 replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
                        progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
             )
+            if options.lookahead_s > 0:  # a separate figure, never mixed into the one above
+                ahead = replay(trace, policy, plan, lookahead_s=options.lookahead_s)
+                results[-1].lookahead = {"lookahead_s": options.lookahead_s, "hit_rate": ahead.hit_rate}
     out = {
         "trace": trace.name,
         "requests": trace.requests,

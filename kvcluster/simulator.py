@@ -99,6 +99,7 @@ class ReplayResult:
     throughput: dict | None = None
     prefetch: dict | None = None
     predictor: list[dict] | None = None
+    lookahead: dict | None = None  # the same replay with queue look-ahead: {"lookahead_s", "hit_rate"}
 
     @property
     def refs_per_s(self) -> float:
@@ -181,6 +182,7 @@ def replay(
     head_importance: Sequence[float] | None = None,
     policy_options: dict | None = None,
     observe: Callable[[int, Hierarchy, float | None], None] | None = None,
+    lookahead_s: float = 0.0,
 ) -> ReplayResult:
     """Replay `trace` through a hierarchy of `policy` tiers; optionally project TTFT.
 
@@ -192,7 +194,15 @@ def replay(
     capacity x heads shards; a block with some shards gone is a partial hit whose
     missing shards are recomputed (one block of prefill), with shards in a lower
     tier refetched from there.
+
+    With `lookahead_s > 0` (single tier) the queue is known that far ahead: a
+    block that a request arriving within `lookahead_s` of the current one will use
+    is pinned (a victim that is pinned is put back with `admit`, which picks other
+    victims). Any policy gets it the same way; it is information a live system has,
+    reported apart from the figures without it.
     """
+    if lookahead_s > 0 and len(plan) > 1:
+        raise ValueError("lookahead_s pins blocks in a single tier; with several tiers use prefetch_lead_s")
     if heads > 1:
         trace = shard_trace(trace, heads)
         plan = [TierPlan(t.name, t.capacity_blocks * heads) for t in plan]
@@ -206,6 +216,8 @@ def replay(
     hits_total = partial_total = 0
     tier_hits = [0] * n_tiers
     ahead = 0
+    queued: dict[int, int] = {}  # block -> queued requests (within lookahead_s) that use it
+    seen_ahead = 0
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
         ctx = RequestContext(
@@ -221,7 +233,22 @@ def replay(
             per_tier, partial = shard_prefix(hierarchy, blocks, heads)
         if future is not None:
             future.update(zip(blocks, next_uses[i]))
+        if lookahead_s > 0:
+            for b in blocks:  # this request leaves the queue
+                if i < seen_ahead:
+                    left = queued.get(b, 0) - 1
+                    if left > 0:
+                        queued[b] = left
+                    else:
+                        queued.pop(b, None)
+            seen_ahead = max(seen_ahead, i + 1)
+            while seen_ahead < len(trace.blocks) and trace.arrivals[seen_ahead] <= ctx.now + lookahead_s:
+                for b in trace.blocks[seen_ahead]:
+                    queued[b] = queued.get(b, 0) + 1
+                seen_ahead += 1
         result = hierarchy.serve(blocks, ctx)
+        if lookahead_s > 0 and queued:
+            _pin(hierarchy, result.dropped, queued, ctx)
         if heads == 1:
             per_tier, partial = [0] * n_tiers, 0
             for tier in result.hit_tier:
@@ -280,6 +307,17 @@ def replay(
     if predictor is not None:
         out.predictor = _posteriors(predictor)
     return out
+
+
+def _pin(hierarchy: Hierarchy, dropped: Sequence[int], queued: dict[int, int], ctx: RequestContext) -> None:
+    """Put back the victims a queued request needs, letting the policy choose others (a few rounds at most)."""
+    policy = hierarchy.policies[0]
+    back = [b for b in dropped if b in queued]
+    for _ in range(4):
+        if not back:
+            return
+        again = policy.admit(back, ctx)
+        back = [b for b in again if b in queued]
 
 
 def _summary(values: list[float]) -> dict:

@@ -93,3 +93,13 @@ def test_prefetch_turns_lower_tier_hits_into_hbm_hits() -> None:
     warm = replay(prepared, "lru", plan, prefetch_lead_s=1.5)
     assert cold.tiers[1]["hits"] == 3 and cold.tiers[0]["hits"] == 0
     assert warm.tiers[0]["hits"] == 3 and warm.prefetch["hits"] == 3 and warm.prefetch["wasted"] == 0
+
+
+def test_lookahead_pins_blocks_of_queued_requests() -> None:
+    prepared = prepare(make_trace([[1], [2], [3], [1]]))  # one request a second
+    plan = [TierPlan("hbm", 2)]
+    assert replay(prepared, "lru", plan).hit_rate == 0.0  # LRU lets 1 go just before it returns
+    assert replay(prepared, "lru", plan, lookahead_s=1.5).hit_rate == 0.25  # queued: 1 stays, 2 goes
+    assert replay(prepared, "lru", plan, lookahead_s=0.5).hit_rate == 0.0  # the queue is not seen that far
+    with pytest.raises(ValueError, match="single tier"):
+        replay(prepared, "lru", [TierPlan("hbm", 2), TierPlan("dram", 2)], lookahead_s=1.0)

@@ -57,6 +57,16 @@ def test_replay_calibration_reports_brier_and_reliability(capsys) -> None:
     assert code == 0 and "P(reuse within 60 s)" in out and "Brier" in out
 
 
+def test_replay_lookahead_is_its_own_figure(capsys) -> None:
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policies", "lru,bayes", "--capacity-blocks", "3",
+                        "--lookahead-s", "5", "--json")
+    assert code == 0
+    for r in data["results"]:
+        assert r["lookahead"]["lookahead_s"] == 5 and 0 <= r["lookahead"]["hit_rate"] <= data["infinite_hit_rate"]
+    code, plain, _ = run(capsys, "replay", FIXTURE, "--policies", "lru,bayes", "--capacity-blocks", "3", "--json")
+    assert [r["hit_rate"] for r in plain["results"]] == [r["hit_rate"] for r in data["results"]]
+
+
 @pytest.mark.parametrize(
     "argv,fragment",
     [
@@ -67,6 +77,7 @@ def test_replay_calibration_reports_brier_and_reliability(capsys) -> None:
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--strict"], "bailian.jsonl:4"),
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "x"], "invalid"),
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--calibration", "-1"], "--calibration"),
+        (["replay", FIXTURE, "--policy", "lru", "--tiers", "laptop-cpu", "--lookahead-s", "1"], "--lookahead-s"),
     ],
 )
 def test_bad_replay_input_exits_2(capsys, argv, fragment) -> None:
