@@ -4,9 +4,14 @@ Starts Ray and the Serve app locally (dram small enough that the placement
 controller spills to nvme and pfs), computes every prompt's greedy answer in
 this process without any cache (the reference), then:
 
+0. fault-free: the same clients for `--clean-seconds` with nothing injected;
+   every corrupt read there is unexpected (`unexpected_corrupt`, must be 0: the
+   demotions to nvme and pfs this load causes must never lose a block);
 1. load: `--clients` asyncio clients send multi-turn prompts (shared prefixes)
    for `--seconds`; during it the dram tier actor, the predictor actor and the
-   model replica are killed, and the pfs block files are corrupted;
+   model replica are killed, and the pfs block files are corrupted; each fault
+   reports the corrupt reads counted after it, per tier, and only the pfs
+   corruption may cause any (others add to `unexpected_corrupt`);
 2. saturation: a burst of 4x the admission limit at once;
 3. hostile (`--hostile`, or `--hostile-only` for it alone): the same clients
    without faults, first alone, then beside hostile ones sending oversized
@@ -16,8 +21,9 @@ this process without any cache (the reference), then:
 
 Every answer is compared with the reference. Reported: requests held, p50/p99
 latency, errors, 5xx, shed (503 + Retry-After), wrong outputs (must be 0), the
-faults injected and whether the system answered correctly after each, and the
-replica's memory before and after.
+faults injected and whether the system answered correctly after each, the
+corrupt reads (`ray_kvcluster_faults_total{kind="corrupt"}` scraped from the
+node's metrics port) per phase and fault, and the replica's memory before and after.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py [--json] [--seconds 60] [--clients 4] [--hostile]
 """
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -77,10 +84,16 @@ def prompts(n_conversations: int) -> list[str]:
     return out
 
 
+METRICS_PORT: list[int] = []  # the node's metrics export port, set by `start`
+CORRUPTED_TIER = "n0/pfs"  # the one tier whose corrupt reads a fault of this soak causes
+
+
 def start(tmp: str) -> str:
     os.environ["RAY_TMPDIR"] = tmp
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    METRICS_PORT.append(free_port())
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp,
-             log_to_driver=False, namespace=NAMESPACE)
+             log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
     cluster = Path(tmp) / "cluster.yaml"
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
                        f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.004}}\n"
@@ -120,25 +133,67 @@ def replica_rss_mib() -> float:
 
 
 def corrupt_pfs(tmp: str) -> int:
+    """Flip a byte in every pfs block file, then read them all through the pfs tier actor once, so that
+    exactly this many corrupt reads are counted and attributable to this fault."""
     files = list(Path(tmp, "pfs", "kv").glob("??/??/*.kvb"))
     for f in files:
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
+    pfs = ray.get_actor("kvcluster/n0/pfs", namespace=NAMESPACE)
+    got = ray.get(pfs.get_many.remote([bytes.fromhex(f.stem) for f in files]), timeout=60)
+    assert all(g is None for g in got), "a corrupted pfs block was served"
     return len(files)
 
 
-async def load_phase(url: str, prompt_list: list[str], expected: dict, seconds: float, clients: int, tmp: str):
-    results, faults = [], []
-    stop = time.monotonic() + seconds
+def faults_counted() -> dict[str, float]:
+    """Faults absorbed so far, as "component kind" -> count, from the node's Prometheus endpoint."""
+    time.sleep(2.5)  # metrics are exported every second: let the last ones land
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT[-1]}/metrics", timeout=30).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_kvcluster_faults_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            name = f"{labels.get('component')} {labels.get('kind')}"
+            counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
 
-    async def client_loop(k: int, client: httpx.AsyncClient):
+
+def corrupt_only(counts: dict[str, int | float]) -> dict[str, int]:
+    """The corrupt reads among counted faults, per component."""
+    return {name.split(" ")[0]: int(n) for name, n in counts.items() if name.endswith(" corrupt")}
+
+
+def _since(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0.0)) for k, v in now.items() if v - before.get(k, 0.0) > 0}
+
+
+async def client_loops(client: httpx.AsyncClient, url: str, prompt_list: list[str], stop: float, clients: int,
+                       results: list) -> None:
+    """`clients` clients, each sending its share of the prompts in turn until `stop`; outcomes into `results`."""
+
+    async def client_loop(k: int):
         i = k
         while time.monotonic() < stop:
             p = prompt_list[i % len(prompt_list)]
             code, text, latency, _ = await ask(client, url, p)
             results.append((p, code, text, latency))
             i += clients
+
+    await asyncio.gather(*(client_loop(k) for k in range(clients)))
+
+
+async def clean_phase(url: str, prompt_list: list[str], seconds: float, clients: int) -> list:
+    """The load phase's clients with nothing injected."""
+    results: list = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        await client_loops(client, url, prompt_list, time.monotonic() + seconds, clients, results)
+    return results
+
+
+async def load_phase(url: str, prompt_list: list[str], expected: dict, seconds: float, clients: int, tmp: str):
+    results, faults = [], []
+    stop = time.monotonic() + seconds
 
     async def injector(client: httpx.AsyncClient):
         plan = [("kill dram tier actor", lambda: ray.kill(ray.get_actor("kvcluster/n0/dram", namespace=NAMESPACE),
@@ -150,15 +205,22 @@ async def load_phase(url: str, prompt_list: list[str], expected: dict, seconds: 
         gap = seconds / (len(plan) + 1)
         for name, act in plan:
             await asyncio.sleep(gap)
+            if faults:  # what was counted since the previous fault is that fault's
+                faults[-1]["faults_counted_after"] = _since(await asyncio.to_thread(faults_counted), counted)
+            counted = await asyncio.to_thread(faults_counted)
             detail = await asyncio.to_thread(act)
             t_fault = time.monotonic()
             code, text, _, _ = await ask(client, url, prompt_list[0])  # served correctly after the fault?
             faults.append({"fault": name, "detail": detail if isinstance(detail, int) else None,
                            "answered_correctly_after": code == 200 and text == expected[prompt_list[0]],
                            "recovery_s": time.monotonic() - t_fault})
+        await asyncio.sleep(max(0.0, stop - time.monotonic()))
+        faults[-1]["faults_counted_after"] = _since(await asyncio.to_thread(faults_counted), counted)
+        for fault in faults:
+            fault["corrupt_reads_after"] = corrupt_only(fault["faults_counted_after"])
 
     async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(client_loop(k, client) for k in range(clients)), injector(client))
+        await asyncio.gather(client_loops(client, url, prompt_list, stop, clients, results), injector(client))
     return results, faults
 
 
@@ -209,17 +271,8 @@ async def stalled_sender(url: str, body: bytes) -> tuple[int, float]:
 
 async def steady_load(client: httpx.AsyncClient, url: str, prompt_list: list[str], seconds: float, clients: int):
     """Normal traffic only: `clients` loops over the prompts for `seconds`."""
-    results, stop = [], time.monotonic() + seconds
-
-    async def loop(k: int):
-        i = k
-        while time.monotonic() < stop:
-            p = prompt_list[i % len(prompt_list)]
-            code, text, latency, _ = await ask(client, url, p)
-            results.append((p, code, text, latency))
-            i += clients
-
-    await asyncio.gather(*(loop(k) for k in range(clients)))
+    results: list = []
+    await client_loops(client, url, prompt_list, time.monotonic() + seconds, clients, results)
     return results
 
 
@@ -282,9 +335,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--clean-seconds", type=float, default=30,
+                        help="length of the fault-free phase before the faults (0: none)")
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
     args = parser.parse_args()
+    json_out = None
+    if args.json:  # Ray and Serve write to stdout from C++ too: only the report goes there
+        json_out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     prompt_list = prompts(args.conversations)
     reference = ModelRunner(load_model(MODEL))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -300,8 +359,8 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    if args.json:
-        print(json.dumps(report, indent=1))
+    if json_out is not None:
+        print(json.dumps(report, indent=1), file=json_out, flush=True)
         return
     if "load" in report:
         print_fault_phases(report, args)
@@ -314,27 +373,40 @@ def main() -> None:
 
 
 def fault_phases(url: str, prompt_list: list[str], expected: dict, args, tmp: str) -> dict:
-    """Phases 1 and 2: load with faults, then the saturation burst."""
+    """Phases 0, 1 and 2: load without faults, load with faults, then the saturation burst."""
     rss_before = replica_rss_mib()
+    clean = asyncio.run(clean_phase(url, prompt_list, args.clean_seconds, args.clients)) if args.clean_seconds else []
+    clean_corrupt = corrupt_only(faults_counted())
     results, faults = asyncio.run(load_phase(url, prompt_list, expected, args.seconds, args.clients, tmp))
+    fault_corrupt = sum(n for f in faults for tier, n in f.get("corrupt_reads_after", {}).items()
+                        if not (f["fault"] == "corrupt every pfs block file" and tier == CORRUPTED_TIER))
     time.sleep(5)
     burst = asyncio.run(saturation_phase(url, prompt_list, expected))
     rss_after = replica_rss_mib()
     retry_after = all(h.get("retry-after") == "1" for _, code, _, _, h in burst if code == 503)
-    return {"load": summarize(results, expected), "faults": faults,
+    return {"fault_free": {**summarize(clean, expected), "seconds": args.clean_seconds,
+                           "corrupt_reads": {k: int(v) for k, v in clean_corrupt.items()}},
+            "unexpected_corrupt": int(sum(clean_corrupt.values())) + fault_corrupt,
+            "load": summarize(results, expected), "faults": faults,
             "saturation": {**summarize([r[:4] for r in burst], expected), "burst": len(burst),
                            "admission_limit": LIMIT, "retry_after_on_every_503": retry_after},
             "replica_rss_mib": {"before": rss_before, "after": rss_after}}
 
 
 def print_fault_phases(report: dict, args) -> None:
+    clean = report["fault_free"]
+    if clean["requests"]:
+        print(f"fault-free: {clean['requests']} requests in {clean['seconds']:.0f} s: {clean['ok']} ok, "
+              f"{clean['wrong_outputs']} wrong, corrupt reads {clean['corrupt_reads'] or 0}")
+    print(f"unexpected corrupt reads (fault-free phase, and faults that corrupt no bytes): "
+          f"{report['unexpected_corrupt']}")
     load = report["load"]
     print(f"load: {load['requests']} requests from {args.clients} clients in {args.seconds:.0f} s: {load['ok']} ok, "
           f"{load['errors']} errors, {load['server_errors_5xx_other']} 5xx, {load['wrong_outputs']} wrong; "
           f"p50 {load['p50_s']:.2f} s, p99 {load['p99_s']:.2f} s")
     for f in report["faults"]:
         print(f"fault: {f['fault']}: answered correctly after: {f['answered_correctly_after']} "
-              f"({f['recovery_s']:.1f} s)")
+              f"({f['recovery_s']:.1f} s); corrupt reads after it: {f.get('corrupt_reads_after') or 0}")
     s = report["saturation"]
     print(f"saturation: burst of {s['burst']} (limit {LIMIT}): {s['ok']} ok, {s['shed_503']} shed with 503 "
           f"(Retry-After on all: {s['retry_after_on_every_503']}), {s['server_errors_5xx_other']} other 5xx, "
