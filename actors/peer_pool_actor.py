@@ -3,7 +3,7 @@
 `PeerPoolActor` (on the owning node) contains a `NixlPeerPool`; `RdmaTierActor`
 (on another node) contains an `RDMABackend` whose control calls go to the
 owner's actor handle, one call per batch, while the bytes move node to node
-through NIXL (UCX; over loopback on this machine).
+through NIXL (UCX: RDMA where the nodes have it, else TCP; `RDMABackend.medium` says which).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Each round costs a fixed handful of remote calls: one index view, one
 predictor snapshot, one `describe` per tier actor (gathered together), then
 per (source, destination) pair one copy and one `delete`. Between nodes, from a
 memory tier, the copy is the destination's `pull`: its NIXL agent reads the
-source's slab directly (UCX; loopback on this machine). Within a node, or when
+source's slab directly (UCX: RDMA where the nodes have it). Within a node, or when
 NIXL cannot serve a pair, bytes travel as Ray objects (`get_many` + `put_many`,
 the measured fallback). A source is deleted only for keys its destination
-acknowledged, so a referenced block is never in zero places.
+acknowledged as verified bytes, so a referenced block is never in zero places.
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ def test_rdma_moves_blocks_between_two_processes() -> None:
         assert backend.put_many(list(zip(ks, data))) == [True] * 8  # 8 x 40 KB over a 256 KiB staging buffer
         got = backend.get_many(ks)
         assert all(np.array_equal(g, d) for g, d in zip(got, data))
-        assert backend.used_bytes == 8 * (1 << 16) and "loopback" in backend.medium
+        assert backend.used_bytes == 8 * (1 << 16) and "via NIXL UCX over" in backend.medium
     finally:
         parent.send(("stop", ()))
         parent.recv()
@@ -423,3 +423,17 @@ def test_reservations_of_a_writer_that_died_expire_and_free_their_slots() -> Non
     pool.commit(ks[2:], [late], [100], [7])
     assert pool.lookup(ks[2:]) == [(late, 100, 7)] and pool.pending == 0
     pool.table.check_integrity()
+
+
+def test_the_rdma_medium_names_what_ucx_can_use(tmp_path: Path, monkeypatch) -> None:
+    """No RDMA adapter: a stand-in (TCP or shared memory); an adapter UCX may use: real RDMA."""
+    from kvcluster.storage.rdma import ucx_transport
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert ucx_transport(tmp_path / "absent") == ("TCP or shared memory (no RDMA device)", True)
+    (tmp_path / "mlx5_0").mkdir()
+    assert ucx_transport(tmp_path) == ("RDMA verbs (mlx5_0)", False)
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    assert ucx_transport(tmp_path) == ("TCP or shared memory (RDMA left out by UCX_TLS, UCX_TLS=tcp,self)", True)
+    monkeypatch.setenv("UCX_TLS", "rc,sm")
+    assert ucx_transport(tmp_path) == ("RDMA verbs (mlx5_0, UCX_TLS=rc,sm)", False)

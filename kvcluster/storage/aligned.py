@@ -3,8 +3,9 @@
 Why: O_DIRECT (and GPUDirect Storage's host path) needs the buffer address and
 length aligned to the device's block size. numpy and torch hand out large arrays
 a few bytes past a page boundary, so every block a tier pool or a read returned
-had to be copied into an aligned staging buffer first; on this VM that copy,
-running beside the disk I/O on the other core, slowed the I/O by a quarter.
+had to be copied into an aligned staging buffer first, and that copy, running
+beside the disk I/O on another core, slowed the I/O by a quarter (measured in
+benchmarks/RESULTS.md).
 Pools and read results allocated here are aligned, and the NVMe tier writes and
 reads them in place.
 """

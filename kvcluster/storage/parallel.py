@@ -3,8 +3,8 @@
 Why: the native copy, checksum and file calls release the GIL, so a large batch
 split over the cores' threads is bound by memory bandwidth, not by one core
 (`run`), and a file tier can sum its payloads on one core while another writes
-them (`ahead`). Smaller batches run inline: waking a pool thread costs 40-75 us on
-this VM (measured: benchmarks/RESULTS.md), more than the work it would share.
+them (`ahead`). Smaller batches run inline: waking a pool thread costs tens of
+microseconds (measured in benchmarks/RESULTS.md), more than the work it would share.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class BatchWorkers:
         """`fn(lane, k)` for k = 0..n-1 over up to `lanes` lanes, each taking the next k when free; results in k order.
 
         Lane 0 is the calling thread, the others pool threads. Why not fixed shares: a pool
-        thread on this VM wakes 40-75 us late, far later when the other core is busy, and
+        thread wakes tens of microseconds late, far later when the other cores are busy, and
         with fixed shares the caller then sat waiting for it. Here the caller takes the work
         a late lane has not started, and a lane that never started is cancelled, not waited
         for. Every started `fn` finishes before this returns, even when one raises (they may

@@ -6,8 +6,9 @@ one control call per batch (reserve / commit / lookup, over whatever channel
 connects them: a Ray actor handle in the cluster, a pipe in tests) and moves the
 bytes with one NIXL transfer per batch between the peer's slab and either memory
 the caller registered (its own tier pool: no copy at all) or a registered
-staging buffer (one copy). Metadata is exchanged once per peer. With UCX over
-loopback (no RDMA NIC here) the same code runs over TCP/shared memory and says so.
+staging buffer (one copy). Metadata is exchanged once per peer. Where the host
+has no RDMA device UCX moves the same transfers over TCP or shared memory, and the
+backend's `medium` and `emulated` say which (`ucx_transport`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import uuid
 import weakref
 from itertools import accumulate
+from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -31,6 +33,26 @@ from .base import BackendStats, Payload, StorageBackend, StorageError, checksum,
 from .copyhash import copy_hash
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
+
+
+RDMA_DEVICES = Path("/sys/class/infiniband")  # InfiniBand and RoCE adapters, as the kernel lists them
+
+
+def ucx_transport(devices_dir: Path = RDMA_DEVICES) -> tuple[str, bool]:
+    """What UCX can move a peer's bytes over on this host, and whether that only stands in for RDMA.
+
+    UCX picks its transports itself (`UCX_TLS` narrows them): RDMA verbs when the host has an RDMA
+    adapter, else TCP between hosts and shared memory within one. NIXL does not report the pick,
+    so this names what the host and `UCX_TLS` leave UCX to choose from."""
+    devices = sorted(p.name for p in devices_dir.glob("*")) if devices_dir.is_dir() else []
+    tls = os.environ.get("UCX_TLS")
+    narrowed = f", UCX_TLS={tls}" if tls else ""
+    rdma_allowed = tls is None or any(t in tls.split(",") for t in ("all", "rc", "rc_x", "ud", "ud_x", "dc", "dc_x",
+                                                                     "ib", "rc_v", "ud_v"))
+    if devices and rdma_allowed:
+        return f"RDMA verbs ({', '.join(devices)}{narrowed})", False
+    reason = "no RDMA device" if not devices else "RDMA left out by UCX_TLS"
+    return f"TCP or shared memory ({reason}{narrowed})", True
 
 
 RESERVATION_TTL_S = 120.0  # a reserved slot nobody committed is free again after this (transfers give up at 30 s)
@@ -97,7 +119,7 @@ def _close_open_agents() -> None:
 
     Left to interpreter shutdown, a backend's tensors and its agents go in any order; an agent
     destroyed after its registered memory was freed crashed the process on exit (a
-    segfault after every test had passed, about one run in six)."""
+    segfault after all its work was done)."""
     for owner in list(_OPEN):
         owner.close()
 
@@ -280,8 +302,8 @@ class RDMABackend(StorageBackend):
         self._remote_base = self._remote_address(descs)
         self._slots = slots
         self._regions: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor kept alive) registered here
-        self.medium = "peer DRAM pool via NIXL UCX (loopback on this machine, no RDMA NIC)"
-        self.emulated = True
+        transport, self.emulated = ucx_transport()
+        self.medium = f"peer DRAM pool via NIXL UCX over {transport}"
         self._stats = BackendStats()
         self._workers = BatchWorkers(lanes)  # lane g > 0 runs on a pool thread
         _OPEN.add(self)
