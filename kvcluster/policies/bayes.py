@@ -23,8 +23,13 @@ Why classes are per request and not per block: a prefix hit needs every block
 before it. Classing blocks by their own type or use count split a request into
 groups that left at different times, often the prefix first; on the shared
 traces that lost most of the gain (ShareGPT 2%: 0.064 against 0.173). With one
-class per request (the last block aside, which goes first), a request's
-blocks leave deepest first, so what remains of it is always a prefix.
+class per request, a request's blocks leave deepest first, so what remains of
+the group is always a prefix of it. Across requests it can break: a prefix that
+a later request shared now belongs to that request's group and may leave before
+the older request's own suffix (still in the older group), which is then an
+orphan until its group's turn comes. Tracking parents to prevent it would cost
+a dict per block; on the shared traces the per-request order already closes
+75-85% of the gap where conversations dominate.
 
 Cost: one dict write per block, one pass over the class ends per request that
 evicts, O(log classes) per victim group, and a density table rebuilt every
