@@ -28,6 +28,8 @@ class ServeAppConfig(BaseModel):
     hbm_blocks: int = Field(512, ge=1, description="Blocks the replica's own tier (hbm) holds.")
     cluster: str | None = Field("local", description="Cluster YAML (configs/cluster) of the tier actors; "
                                                      "None: the replica's hbm tier only.")
+    start_cluster: bool = Field(True, description="The app builder starts the cluster's cache actors (idempotent) "
+                                "before any replica; false: they must already run (`kvcluster cluster up`).")
     torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
                                                     "busy small machines).")
     replica_cpus: float = Field(1.0, ge=0)

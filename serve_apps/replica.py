@@ -18,7 +18,7 @@ import ray
 import torch
 from ray import serve
 
-from actors.cluster import node_ids, up
+from actors.cluster import node_ids
 from kvcluster.belady_gap import BeladyGapEstimator
 from kvcluster.cluster_config import load_cluster_config
 from kvcluster.serving.block_store import LocalBlockStore
@@ -38,12 +38,9 @@ GAP_EVERY = 20  # requests between two estimates of the hbm tier's gap to Belady
 
 
 def cache_cluster(cfg: ServeAppConfig):
-    """The cluster YAML, with its cache actors started (idempotent), or None without one."""
-    if cfg.cluster is None:
-        return None
-    cluster = load_cluster_config(cfg.cluster)
-    up(cluster)
-    return cluster
+    """The cluster YAML, or None without one. Its actors are started by the app builder (or `kvcluster
+    cluster up`), never here: a replica or ingress coming up has no side effect on the whole cluster."""
+    return None if cfg.cluster is None else load_cluster_config(cfg.cluster)
 
 
 class KVReplica:
