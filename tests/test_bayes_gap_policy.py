@@ -17,8 +17,9 @@ def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType
 
 
 def test_class_layout_round_trips() -> None:
-    cls = class_of(int(TransitionType.AGENT_STEP), True, session=2)
-    assert describe_class(cls) == {"transition": "agent_step", "last_in_request": True, "session_gap": "< 64 s"}
+    cls = class_of(int(TransitionType.AGENT_STEP), session=2)
+    assert describe_class(cls) == {"transition": "agent_step", "session_gap": "< 64 s"}
+    assert sorted(class_of(t, s) for t in range(4) for s in range(4)) == list(range(16))
 
 
 def test_a_block_that_keeps_coming_back_outlives_streams_of_one_off_blocks() -> None:

@@ -2,17 +2,15 @@
 
 Belady wins by knowing *when* a block comes back. This policy estimates it: the
 blocks a request uses are classed by what is known at that moment, namely the
-request's transition (first, append, fork, agent step), its session's last gap
-between requests (none yet, < 8 s, < 64 s, longer) and whether the block ends
-the request (a request's last block is usually partial and rarely comes back).
-`GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
+request's transition (first, append, fork, agent step) and its session's last
+gap between requests (none yet, < 8 s, < 64 s, longer). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
 posteriors pooled across classes), counting reuses of blocks that were evicted
 too, so what it learns does not depend on what the cache kept. From it follows
 the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
 cache held, given the age, up to a horizon of `horizon_factor` x the mean age of
 recent victims.
 
-All blocks of one request and class form a group; groups of a class queue in
+All blocks of one request form a group; groups of a class queue in
 use order. Candidates are the oldest group of every class (density falling with
 age: the class is done) and the newest (density rising with age: the class
 comes back after a gap, so the freshest is the one not worth its wait; this is
@@ -49,7 +47,7 @@ from .registry import register
 
 _NT = len(TransitionType)
 SESSION_BUCKETS = 4  # the session's last gap between requests: none yet, < 8 s, < 64 s, longer
-CLASSES = SESSION_BUCKETS * _NT * 2
+CLASSES = SESSION_BUCKETS * _NT
 
 
 def session_bucket(gap_s: float | None) -> int:
@@ -59,16 +57,15 @@ def session_bucket(gap_s: float | None) -> int:
     return 1 if gap_s < 8.0 else (2 if gap_s < 64.0 else 3)
 
 
-def class_of(transition: int, last_in_request: bool, session: int = 0) -> int:
-    """Class index of a block used now (`session` from `session_bucket`)."""
-    return (session * _NT + transition) * 2 + int(last_in_request)
+def class_of(transition: int, session: int = 0) -> int:
+    """Class index of a request's blocks (`session` from `session_bucket`)."""
+    return session * _NT + transition
 
 
 def describe_class(cls: int) -> dict:
     """The features a class index stands for."""
-    rest, last = divmod(cls, 2)
-    session, tt = divmod(rest, _NT)
-    return {"transition": TransitionType(tt).name.lower(), "last_in_request": bool(last),
+    session, tt = divmod(cls, _NT)
+    return {"transition": TransitionType(tt).name.lower(),
             "session_gap": ("first request", "< 8 s", "< 64 s", ">= 64 s")[session]}
 
 
@@ -160,7 +157,7 @@ class BayesPolicy(EvictionPolicy):
             sb = seen[1]  # the same burst: keep the bucket of the gap before it
         if remember and ctx.session:
             self._sessions[ctx.session] = (ctx.now, sb)
-        return class_of(ctx.transition, False, sb)
+        return class_of(ctx.transition, sb)
 
     def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
         """P(each block is used again within `horizon_s` of this request), before `access` sees it.
@@ -171,9 +168,7 @@ class BayesPolicy(EvictionPolicy):
         if not n:
             return []
         cls = self._session_class(ctx, remember=False)
-        p = self.model.p_reuse_within(cls, 0.0, horizon_s, self._hazards[cls])
-        p_last = self.model.p_reuse_within(cls + 1, 0.0, horizon_s, self._hazards[cls + 1])
-        return [p] * (n - 1) + [p_last]
+        return [self.model.p_reuse_within(cls, 0.0, horizon_s, self._hazards[cls])] * n
 
     # -- the policy -------------------------------------------------------------------------------
 
@@ -254,7 +249,7 @@ class BayesPolicy(EvictionPolicy):
                 self._galive[old] -= len(members)
             else:
                 gtime.append(ctx.now)
-                cls = class_of(ctx.transition, False)
+                cls = class_of(ctx.transition)
             gcls.append(cls)
             self._galive.append(len(members))
             for b in members:
