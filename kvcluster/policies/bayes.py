@@ -176,8 +176,9 @@ class BayesPolicy(EvictionPolicy):
         now = ctx.now
         self._cross(now)
         self._requests += 1
-        if self._requests % self._refresh_every == 1 or self._refresh_every == 1:
-            self._refresh()
+        r = self._requests
+        if r % self._refresh_every == 1 or self._refresh_every == 1 or (r < self._refresh_every and not r & (r - 1)):
+            self._refresh()  # also at requests 2, 4, 8, ...: the first counts matter most
         n = len(blocks)
         if not n:
             return []
