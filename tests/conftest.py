@@ -36,6 +36,15 @@ def reference():
     return ModelRunner(load_model(MODEL))
 
 
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests on the shared Serve endpoint run last, in their usual order.
+
+    Why: modules that start a Ray session of their own (multi-node clusters, full restarts) end
+    whatever session the process had, and with it the shared endpoint; started after them, it
+    lives until the end."""
+    items.sort(key=lambda item: "endpoint" in getattr(item, "fixturenames", ()))
+
+
 _EXIT_STATUS: list[int] = []
 
 
