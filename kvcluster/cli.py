@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     _progress_option(rep)
     rep.set_defaults(func=_cmd_report)
 
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return parser
 
@@ -410,78 +410,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_cluster(args: argparse.Namespace) -> int:
-    from .cluster_config import load_cluster_config
-
-    cfg = load_cluster_config(args.config)  # a bad file fails here, before Ray starts
-    if args.purge and args.action != "down":
-        raise ConfigError("--purge goes with down only")
-    from actors import cluster  # Ray only for this command
-
-    try:
-        cluster.connect(args.address)
-    except cluster.ClusterUnreachable:
-        if not (args.action == "down" and args.purge):
-            raise
-        return _purge_only(cfg, args.json)  # nothing running to stop: the files are all that is left
-    if args.action == "up":
-        result = cluster.up(cfg, args.placement_period_s)
-        text = f"started {len(result['tiers'])} tier actors ({', '.join(result['tiers'])}); " \
-               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and placement loop running"
-    elif args.action == "down":
-        result = {"killed": cluster.down(cfg)}
-        text = f"stopped {len(result['killed'])} actors"
-        if args.purge:
-            from .state_files import purge
-
-            result["purged"] = purge(cfg)
-            text += f"; removed {', '.join(result['purged']) or 'nothing (no state files)'}"
-        else:
-            text += " (files on nvme and pfs are kept; --purge removes them)"
-    else:
-        result = cluster.status(cfg)
-        rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
-                for r in result["tiers"]]
-        text = _table(rows, ["node", "tier", "state", "blocks", "capacity"])
-        if result.get("placement"):
-            text += "\nplacement: " + ", ".join(f"{k} {v}" for k, v in sorted(result["placement"].items()))
-    print(json.dumps(result) if args.json else text)
-    return 0
+COMMANDS_GROUP = "kvcluster.commands"  # entry points: name -> fn(subparsers) that adds a subcommand
 
 
-def _purge_only(cfg, as_json: bool) -> int:
-    from .state_files import purge
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands other distributions (or this one's Ray side: `cluster`) register by entry point.
 
-    removed = purge(cfg)
-    print(json.dumps({"killed": [], "purged": removed}) if as_json else
-          f"no Ray cluster running; removed {', '.join(removed) or 'nothing (no state files)'}")
-    return 0
+    Why entry points: the core CLI stays free of Ray; `kvcluster cluster` appears wherever the
+    package that provides it is installed. One that fails to load is left out, not fatal."""
+    from importlib.metadata import entry_points
 
-
-def _register_cluster(sub: argparse._SubParsersAction) -> None:
-    cl = _subparser(sub, "cluster", "start, inspect or stop the cache actors on a running Ray cluster",
-                    "The cache actors of a cluster YAML on a running Ray cluster (it does not start Ray):\n"
-                    "  up      start (or find) the index, predictor, tier actors and placement loop; idempotent\n"
-                    "  status  blocks held and capacity per node and tier, and placement totals\n"
-                    "  down    stop them (the predictor checkpoints first; nvme and pfs files stay,\n"
-                    "          --purge removes them and the predictor checkpoint)",
-                    "ray start --head && kvcluster cluster up local\n"
-                    "kvcluster cluster up two-workers --address HEAD_IP:6379\n"
-                    "kvcluster cluster status two-workers --address HEAD_IP:6379 --json")
-    cl.add_argument("action", choices=["up", "status", "down"], help="up, status or down (see above)")
-    cl.add_argument("config", help="a cluster YAML (path, or a name under configs/cluster)")
-    cl.add_argument("--address", default="auto", help="Ray cluster address, HOST:PORT of the head's GCS "
-                                                      "(default auto: the cluster running on this machine)")
-    cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0, metavar="SECONDS",
-                    help="seconds between placement rounds (up)")
-    cl.add_argument("--purge", action="store_true",
-                    help="with down: also remove the state files (nvme slabs, pfs blocks, predictor checkpoint)")
-    cl.add_argument("--json", action="store_true", help="print one JSON object")
-    cl.set_defaults(func=_cmd_cluster)
-
-
-# Later modules add their subcommands here.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_cluster]
+    found = []
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            found.append(entry.load())
+        except ImportError:
+            continue
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

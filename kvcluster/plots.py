@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .errors import ConfigError
+
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("charts need matplotlib: pip install 'kvcluster[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
