@@ -561,13 +561,14 @@ def test_cpu_renders_request_no_gpu(rel):
 
 def test_dockerfile_builds_the_image_the_manifests_run():
     text = (K8S / "Dockerfile").read_text()
-    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = project["dependencies"] + project["optional-dependencies"]["cluster"]
     ray_pin = next(p for p in pins if p.startswith("ray[")).split("==")[1]
     torch_pin = next(p for p in pins if p.startswith("torch==")).split("==")[1]
     assert f"ARG BASE_IMAGE=rayproject/ray:{ray_pin}-py311-cpu" in text
     assert f"rayproject/ray:{ray_pin}-py311-gpu" in text
     assert f"ARG TORCH_VERSION={torch_pin}" in text
-    assert "pip install --no-cache-dir -e ." in text and "scripts/fetch_tokenizer.py" in text
+    assert "pip install --no-cache-dir -e '.[serve]'" in text and "scripts/fetch_tokenizer.py" in text
     for src in re.findall(r"^COPY --chown=\S+ (.+) \S+$", text, flags=re.M):
         for item in src.split():
             assert (REPO / item).exists(), item
