@@ -7,15 +7,13 @@ tier holds exactly as many blocks as its bytes allow.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .config_files import load_yaml_model
+from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
 from .model_spec import load_model_spec
-from .paths import configs_dir
 from .placement import PlacementConfig
 from .predictor import PredictorConfig
 from .storage.layout import layout_for
@@ -61,13 +59,7 @@ class ClusterConfig(BaseModel):
 
 def load_cluster_config(name_or_path: str) -> ClusterConfig:
     """Read and validate a cluster YAML; errors name the file and the field."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        shipped = configs_dir() / "cluster" / f"{name_or_path}.yaml"
-        if not shipped.is_file():
-            names = ", ".join(sorted(p.stem for p in (configs_dir() / "cluster").glob("*.yaml")))
-            raise ConfigError(f"unknown cluster file {name_or_path!r}: not a file, and not one of: {names}")
-        path = shipped
+    path = resolve_config(name_or_path, "cluster", ".yaml", "cluster file")
     cfg = load_yaml_model(path, ClusterConfig, "cluster")
     for node in cfg.nodes:
         for t in node.tiers:

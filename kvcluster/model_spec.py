@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .paths import configs_dir
+from .config_files import resolve_config
 
 
 class AttentionKind(str, Enum):
@@ -100,15 +100,9 @@ class ModelSpec:
 def resolve_model_path(name_or_path: str) -> Path:
     """A shipped model name (configs/models/NAME.json), a config.json path, or a checkpoint dir."""
     path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        return path
-    shipped = configs_dir() / "models" / f"{name_or_path}.json"
-    if shipped.is_file():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in (configs_dir() / "models").glob("*.json")))
-    raise ConfigError(f"unknown model {name_or_path!r}: not a file, and not one of: {names}")
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    return resolve_config(name_or_path, "models", ".json", "model")
 
 
 def load_model_spec(name_or_path: str) -> ModelSpec:

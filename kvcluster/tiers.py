@@ -11,9 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .config_files import load_yaml_model
+from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
-from .paths import configs_dir
 
 TierName = Literal["hbm", "dram", "cxl", "nvme", "rdma", "pfs"]
 TIER_ORDER: tuple[str, ...] = ("hbm", "dram", "cxl", "nvme", "rdma", "pfs")
@@ -86,14 +85,7 @@ class NodeTiers(BaseModel):
 
 
 def resolve_tiers_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    shipped = configs_dir() / "tiers" / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in (configs_dir() / "tiers").glob("*.yaml")))
-    raise ConfigError(f"unknown tiers file {name_or_path!r}: not a file, and not one of: {names}")
+    return resolve_config(name_or_path, "tiers", ".yaml", "tiers file")
 
 
 def load_node_tiers(name_or_path: str) -> NodeTiers:

@@ -41,6 +41,13 @@ def test_size_capacity_and_replay_run_without_the_cluster_packages() -> None:
     assert plot.returncode == 2 and "pip install 'kvcluster[plots]'" in plot.stderr
 
 
+def test_importing_the_core_loads_no_cluster_package() -> None:
+    probe = ("import sys, kvcluster, kvcluster.sizing, kvcluster.simulator, kvcluster.storage, kvcluster.cli; "
+             f"print(sorted(m for m in {ABSENT!r} if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr
+
+
 def test_the_cluster_command_says_what_to_install_when_ray_is_absent(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: kvcluster-tiny-llama\ncheckpoint_dir: {tmp_path}\nnodes:\n"
