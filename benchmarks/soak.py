@@ -49,6 +49,7 @@ from ray import serve  # noqa: E402
 
 from actors.index_actor import NAMESPACE  # noqa: E402
 from actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
+from kvcluster.cli import _non_negative_float, positive_int  # noqa: E402
 from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.serving.models import load_model  # noqa: E402
 from kvcluster.serving.runner import ModelRunner  # noqa: E402
@@ -332,10 +333,10 @@ def summarize(results, expected) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--seconds", type=float, default=60)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--clean-seconds", type=float, default=30,
+    parser.add_argument("--seconds", type=_non_negative_float, default=60)
+    parser.add_argument("--clients", type=positive_int, default=4)
+    parser.add_argument("--conversations", type=positive_int, default=4)
+    parser.add_argument("--clean-seconds", type=_non_negative_float, default=30,
                         help="length of the fault-free phase before the faults (0: none)")
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcluster.block_types import BlockType, TransitionType
+from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.bayes import BayesPolicy, class_of, describe_class
 
@@ -72,22 +73,5 @@ def test_capacity_zero_holds_nothing() -> None:
 @given(st.integers(0, 12), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=40),
        st.floats(0.1, 50.0))
 def test_invariants(capacity, token_runs, gap) -> None:
-    ids: dict[tuple[int, ...], int] = {}
-    requests = [[ids.setdefault(tuple(run[: j + 1]), len(ids)) for j in range(len(run))] for run in token_runs]
-    policy = BayesPolicy(capacity, refresh_requests=2)
-    hits = inf_hits = 0
-    seen: set[int] = set()
-    for i, blocks in enumerate(requests):
-        hits += policy.prefix_hits(blocks)
-        for b in blocks:
-            if b not in seen:
-                break
-            inf_hits += 1
-        seen.update(blocks)
-        evicted = policy.access(blocks, ctx(i, len(blocks), i * gap, session=str(i % 3)))
-        assert len(policy) <= capacity and all(b not in policy for b in evicted)
-        assert len(evicted) == len(set(evicted))
-        policy.check_integrity()
-        resident = [b in policy for b in blocks]
-        assert resident == sorted(resident, reverse=True)  # prefix-closed within the request just served
-    assert hits <= inf_hits
+    check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs,
+                     lambda i, blocks: ctx(i, len(blocks), i * gap, session=str(i % 3)))

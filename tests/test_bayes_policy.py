@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcluster.block_types import BlockType, TransitionType
+from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.bayes_v1 import BayesV1Policy as BayesPolicy
 from kvcluster.predictor import PredictorConfig, ReusePredictor
@@ -55,23 +56,4 @@ def test_capacity_zero_holds_nothing() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 12), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=40))
 def test_invariants(capacity, token_runs) -> None:
-    # Block ids are chained keys: an id names its whole prefix, so ids are interned prefixes here.
-    ids: dict[tuple[int, ...], int] = {}
-    requests = [[ids.setdefault(tuple(run[: j + 1]), len(ids)) for j in range(len(run))] for run in token_runs]
-    policy = BayesPolicy(capacity)
-    hits = inf_hits = 0
-    seen: set[int] = set()
-    for i, blocks in enumerate(requests):
-        hits += policy.prefix_hits(blocks)
-        for b in blocks:
-            if b not in seen:
-                break
-            inf_hits += 1
-        seen.update(blocks)
-        evicted = policy.access(blocks, ctx(i, len(blocks)))
-        assert len(policy) <= capacity and all(b not in policy for b in evicted)
-        policy.check_integrity()
-        # prefix-closed within the request: a resident block's predecessors in it are resident
-        resident = [b in policy for b in blocks]
-        assert resident == sorted(resident, reverse=True)
-    assert hits <= inf_hits
+    check_invariants(BayesPolicy(capacity), capacity, token_runs, lambda i, blocks: ctx(i, len(blocks)))
