@@ -13,8 +13,8 @@ from setuptools import Extension, find_packages, setup
 NATIVE = "kvcluster/storage/native"
 
 setup(
-    packages=find_packages(include=["kvcluster*", "actors*", "serve_apps*"]) + ["kvcluster._configs"],
-    package_dir={"kvcluster._configs": "configs"},
+    packages=find_packages(include=["kvcluster*"]) + ["kvcluster.actors", "kvcluster.serve_apps", "kvcluster._configs"],
+    package_dir={"kvcluster.actors": "actors", "kvcluster.serve_apps": "serve_apps", "kvcluster._configs": "configs"},
     package_data={"kvcluster": ["py.typed"], "kvcluster._configs": ["*.yaml", "*/*.yaml", "*/*.json"]},
     ext_modules=[
         Extension(

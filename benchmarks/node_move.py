@@ -29,9 +29,9 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
-from actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
-from actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
+from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from kvcluster.actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
+from kvcluster.actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
 from kvcluster.cli import positive_int  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 

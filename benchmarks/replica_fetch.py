@@ -41,13 +41,13 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvf", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvcluster")
-    from actors.deploy import start_global_actors, start_tier_actor
-    from actors.tier_actor import TierActorConfig
+    from kvcluster.actors.deploy import start_global_actors, start_tier_actor
+    from kvcluster.actors.tier_actor import TierActorConfig
     from kvcluster.keys import KeySpace
     from kvcluster.serving.block_store import LocalBlockStore
     from kvcluster.storage import dram_backend, hbm_backend
     from kvcluster.storage.tiered import TieredStore
-    from serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
 
     try:
         start_global_actors(os.path.join(tmp, "predictor"))

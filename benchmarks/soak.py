@@ -47,15 +47,15 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from actors.index_actor import NAMESPACE  # noqa: E402
-from actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
+from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
+from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.cli import _non_negative_float, positive_int  # noqa: E402
 from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.serving.models import load_model  # noqa: E402
 from kvcluster.serving.runner import ModelRunner  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 from kvcluster.traces.sharegpt import ShareGPTLoader  # noqa: E402
-from serve_apps.app import build_app  # noqa: E402
+from kvcluster.serve_apps.app import build_app  # noqa: E402
 
 MODEL = "kvcluster-tiny-llama"
 MAX_TOKENS = 8

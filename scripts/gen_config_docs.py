@@ -41,10 +41,10 @@ SECTIONS = (
     Section(
         "Serve app",
         "The `args` of an application in a Serve config file (`configs/serve.yaml`), validated by "
-        "`serve_apps.app:build_app` before anything starts; a wrong field fails the deploy naming it.",
+        "`kvcluster.serve_apps.app:build_app` before anything starts; a wrong field fails the deploy naming it.",
         (
-            Model("serve_apps.config:ServeAppConfig", "`applications[].args` of `configs/serve.yaml`."),
-            Model("serve_apps.config:AutoscalingSettings", "`autoscaling` of `ServeAppConfig`; passed to Serve "
+            Model("kvcluster.serve_apps.config:ServeAppConfig", "`applications[].args` of `configs/serve.yaml`."),
+            Model("kvcluster.serve_apps.config:AutoscalingSettings", "`autoscaling` of `ServeAppConfig`; passed to Serve "
                                                            "as the replicas' autoscaling config."),
         ),
     ),
@@ -77,7 +77,7 @@ SECTIONS = (
             Model("kvcluster.predictor:PredictorConfig", "`ReusePredictor(config)`; `simulator.replay("
                                                          "predictor_config=...)`. The predictor actor started by "
                                                          "`kvcluster cluster up` uses the defaults."),
-            Model("actors.tier_actor:TierActorConfig", "Built by `kvcluster cluster up` for each tier of each node "
+            Model("kvcluster.actors.tier_actor:TierActorConfig", "Built by `kvcluster cluster up` for each tier of each node "
                                                        "of the cluster YAML (slots from the model's block payload)."),
             Model("kvcluster.serving.sampling:SamplingParams", "Built by the ingress from an OpenAI request; the "
                                                                "replica's model runner samples with it."),
@@ -90,12 +90,12 @@ SECTIONS = (
         "kvcluster does not implement are accepted only at their neutral value, else a 400 naming them; an "
         "unknown model is a 404.",
         (
-            Model("serve_apps.protocol:CompletionRequest", "`POST /v1/completions`."),
-            Model("serve_apps.protocol:ChatCompletionRequest", "`POST /v1/chat/completions`."),
+            Model("kvcluster.serve_apps.protocol:CompletionRequest", "`POST /v1/completions`."),
+            Model("kvcluster.serve_apps.protocol:ChatCompletionRequest", "`POST /v1/chat/completions`."),
             Model("kvcluster.serving.chat:ChatMessage", "Each entry of `messages`."),
-            Model("serve_apps.protocol:StreamOptions", "`stream_options`."),
-            Model("serve_apps.protocol:TokenizeRequest", "`POST /tokenize`."),
-            Model("serve_apps.protocol:DetokenizeRequest", "`POST /detokenize`."),
+            Model("kvcluster.serve_apps.protocol:StreamOptions", "`stream_options`."),
+            Model("kvcluster.serve_apps.protocol:TokenizeRequest", "`POST /tokenize`."),
+            Model("kvcluster.serve_apps.protocol:DetokenizeRequest", "`POST /detokenize`."),
         ),
     ),
 )
@@ -175,7 +175,7 @@ def fallback_description(cls, name: str) -> str:
 
 def check_fallbacks() -> None:
     """Every fallback names an existing field that has no description of its own."""
-    import serve_apps.protocol as protocol
+    import kvcluster.serve_apps.protocol as protocol
 
     classes = {m.path.split(":")[1]: load(m.path) for s in SECTIONS for m in s.models}
     classes["_Common"] = protocol._Common

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from actors.cluster import up
+from kvcluster.actors.cluster import up
 from kvcluster.cluster_config import load_cluster_config
 
 from .config import ServeAppConfig

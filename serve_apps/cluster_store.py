@@ -23,11 +23,11 @@ from typing import Sequence
 import numpy as np
 import ray
 
-from actors import metrics
-from actors.index_actor import INDEX_NAME, NAMESPACE
-from actors.peer_pool_actor import ActorPeerControl
-from actors.predictor_actor import PREDICTOR_NAME
-from actors.tier_actor import actor_name
+from kvcluster.actors import metrics
+from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
+from kvcluster.actors.peer_pool_actor import ActorPeerControl
+from kvcluster.actors.predictor_actor import PREDICTOR_NAME
+from kvcluster.actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
 from kvcluster.keys import BlockKey
 from kvcluster.serving.block_store import LocalBlockStore

@@ -21,14 +21,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.background import BackgroundTask
 
-from actors.cluster import node_ids
-from actors.index_actor import INDEX_NAME, NAMESPACE
+from kvcluster.actors.cluster import node_ids
+from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
 from kvcluster.keys import KeySpace
 from kvcluster.serving.chat import reusable_segments
 from kvcluster.serving.models import model_fingerprint, load_model_tokenizer
 from kvcluster.model_spec import load_model_spec
 
-from actors import metrics
+from kvcluster.actors import metrics
 
 from . import errors
 from .config import ServeAppConfig

@@ -2,7 +2,7 @@
 
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from actors import metrics
+from kvcluster.actors import metrics
 
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 

@@ -18,7 +18,7 @@ import ray
 import torch
 from ray import serve
 
-from actors.cluster import node_ids
+from kvcluster.actors.cluster import node_ids
 from kvcluster.belady_gap import BeladyGapEstimator
 from kvcluster.cluster_config import load_cluster_config
 from kvcluster.serving.block_store import LocalBlockStore
@@ -28,7 +28,7 @@ from kvcluster.serving.sampling import SamplingParams
 from kvcluster.storage import hbm_backend
 from kvcluster.storage.tiered import TieredStore
 
-from actors import metrics
+from kvcluster.actors import metrics
 
 from .cluster_store import ClusterBlockStore
 from .config import ServeAppConfig

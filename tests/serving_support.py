@@ -25,7 +25,7 @@ def start_endpoint():
     import ray
     from ray import serve
 
-    from serve_apps.app import build_app
+    from kvcluster.serve_apps.app import build_app
 
     if ray.is_initialized():
         ray.shutdown()

@@ -11,8 +11,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.deploy import start_global_actors, start_tier_actor  # noqa: E402
-from actors.tier_actor import TierActorConfig  # noqa: E402
+from kvcluster.actors.deploy import start_global_actors, start_tier_actor  # noqa: E402
+from kvcluster.actors.tier_actor import TierActorConfig  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 
 KEYS = [bytes(k) for k in KeySpace(model="actors").chain_hash_ids(list(range(6)))]
@@ -96,7 +96,7 @@ def _try(fn):
 
 
 def test_placement_controller_spills_a_full_tier_without_losing_a_block(cluster_actors) -> None:
-    from actors.placement_actor import PlacementController
+    from kvcluster.actors.placement_actor import PlacementController
 
     index, _, dram, pfs = cluster_actors
     keys = [bytes(k) for k in KeySpace(model="placement").chain_hash_ids(list(range(8)))]
@@ -133,7 +133,7 @@ def test_a_replica_reads_dram_over_nixl_and_a_restarted_tier_is_a_miss_then_refi
     from kvcluster.serving.block_store import LocalBlockStore
     from kvcluster.storage import hbm_backend
     from kvcluster.storage.tiered import TieredStore
-    from serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
 
     index, _, dram, _ = cluster_actors
     block_keys = KeySpace(model="nixl-replica").chain_hash_ids(list(range(4)))

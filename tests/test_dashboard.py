@@ -4,7 +4,7 @@ import json
 import re
 from pathlib import Path
 
-import actors.metrics as m
+import kvcluster.actors.metrics as m
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.cluster import down, up  # noqa: E402
-from actors.index_actor import INDEX_NAME, NAMESPACE  # noqa: E402
-from actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
+from kvcluster.actors.cluster import down, up  # noqa: E402
+from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE  # noqa: E402
+from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.block_types import BlockType, TransitionType, pair_index  # noqa: E402
 from kvcluster.cluster_config import load_cluster_config  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
@@ -22,7 +22,7 @@ from kvcluster.serving.runner import ModelRunner  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 from kvcluster.storage import hbm_backend  # noqa: E402
 from kvcluster.storage.tiered import TieredStore  # noqa: E402
-from serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
+from kvcluster.serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

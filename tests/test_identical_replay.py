@@ -21,10 +21,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.cluster import down, up  # noqa: E402
-from actors.index_actor import NAMESPACE  # noqa: E402
-from actors.placement_actor import PLACEMENT_NAME  # noqa: E402
-from actors.tier_actor import actor_name  # noqa: E402
+from kvcluster.actors.cluster import down, up  # noqa: E402
+from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
+from kvcluster.actors.placement_actor import PLACEMENT_NAME  # noqa: E402
+from kvcluster.actors.tier_actor import actor_name  # noqa: E402
 from kvcluster.cluster_config import load_cluster_config  # noqa: E402
 from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
@@ -33,7 +33,7 @@ from kvcluster.serving.runner import ModelRunner  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 from kvcluster.storage import hbm_backend  # noqa: E402
 from kvcluster.storage.tiered import TieredStore  # noqa: E402
-from serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
+from kvcluster.serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RECORDS = 24

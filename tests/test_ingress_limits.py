@@ -18,8 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from serve_apps.guard import authenticate, tenant_of  # noqa: E402
-from serve_apps.prompt_encoder import PromptEncoder, PromptTooLong  # noqa: E402
+from kvcluster.serve_apps.guard import authenticate, tenant_of  # noqa: E402
+from kvcluster.serve_apps.prompt_encoder import PromptEncoder, PromptTooLong  # noqa: E402
 from serving_support import API_KEY, MODEL  # noqa: E402
 
 BIG_LIMIT = 32 << 20  # the app below accepts a 16 MB prompt, so it is read, parsed and checked
@@ -31,7 +31,7 @@ def roomy(endpoint):
     """A second app on the shared Serve instance whose body limit admits 16 MB (no cache cluster: cheap)."""
     from ray import serve
 
-    from serve_apps.app import build_app
+    from kvcluster.serve_apps.app import build_app
 
     serve.run(build_app({"model": MODEL, "cluster": None, "replica_cpus": 0.25, "hbm_blocks": 16,
                          "max_request_bytes": BIG_LIMIT}), name="limits", route_prefix="/limits")

@@ -14,7 +14,7 @@ Nothing here talks to a cluster. What the tests use:
   templates inside the Ray objects validate against the strict Kubernetes 1.33 JSON schemas that
   the `kubernetes-validate` package ships.
 - The Serve config embedded in each RayService validates with Ray's own `ServeDeploySchema` and
-  its `args` with `serve_apps.config.ServeAppConfig`; the cluster YAML in the ConfigMap with
+  its `args` with `kvcluster.serve_apps.config.ServeAppConfig`; the cluster YAML in the ConfigMap with
   `kvcluster.cluster_config.load_cluster_config`.
 """
 
@@ -41,7 +41,7 @@ from kubernetes_validate import utils as kv_utils
 from kvcluster.cluster_config import load_cluster_config
 from kvcluster.model_spec import load_model_spec
 from kvcluster.storage.layout import layout_for
-from serve_apps.config import ServeAppConfig
+from kvcluster.serve_apps.config import ServeAppConfig
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -374,7 +374,7 @@ def test_serve_config_is_a_valid_serve_app(rel):
     ServeDeploySchema.model_validate(config)
     assert config["http_options"] == {"host": "0.0.0.0", "port": SERVE_PORT}
     (app,) = config["applications"]
-    assert app["import_path"] == "serve_apps.app:build_app" and app["route_prefix"] == "/"
+    assert app["import_path"] == "kvcluster.serve_apps.app:build_app" and app["route_prefix"] == "/"
     args = app_args(svc)  # ServeAppConfig: unknown or wrong fields fail here, as at deploy time
     assert args.cluster == f"{CLUSTER_MOUNT}/cluster.yaml"
     replica = deployment_options(svc, "KVReplica")

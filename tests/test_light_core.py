@@ -57,13 +57,16 @@ def test_the_cluster_command_says_what_to_install_when_ray_is_absent(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_wheel_ships_the_configs_and_finds_them_outside_a_checkout(tmp_path: Path) -> None:
+def test_a_wheel_ships_the_configs_under_one_namespace_and_finds_them_outside_a_checkout(tmp_path: Path) -> None:
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next((tmp_path / "dist").glob("kvcluster-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvcluster/_configs/models/deepseek-v3.json" in names and "kvcluster/_configs/serve.yaml" in names
+    assert "kvcluster/actors/tier_actor.py" in names and "kvcluster/serve_apps/app.py" in names
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"kvcluster"}, f"only the kvcluster namespace may land in site-packages, got {sorted(tops)}"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = ("from kvcluster.paths import configs_dir; from kvcluster.model_spec import load_model_spec; "

@@ -13,9 +13,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
-from actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
-from actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
+from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from kvcluster.actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
+from kvcluster.actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 
 KEYS = [bytes(k) for k in KeySpace(model="multinode").chain_hash_ids(list(range(4)))]
@@ -154,8 +154,8 @@ def test_cluster_cli_without_a_cluster_is_one_clear_line() -> None:
 
 def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
     """A session's blocks move from the head's dram to node B's dram: B's NIXL agent reads the head's slab."""
-    from actors.placement_actor import PlacementController
-    from actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+    from kvcluster.actors.placement_actor import PlacementController
+    from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
 
     c, _, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
@@ -188,13 +188,13 @@ def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
 
 
 def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluster) -> None:
-    """The replica's fetch path (serve_apps.cluster_store) reads node B's dram; once B is removed its blocks
+    """The replica's fetch path (kvcluster.serve_apps.cluster_store) reads node B's dram; once B is removed its blocks
     are misses and the fetch still returns, without an error."""
-    from actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+    from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
     from kvcluster.serving.block_store import LocalBlockStore
     from kvcluster.storage import hbm_backend
     from kvcluster.storage.tiered import TieredStore
-    from serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
 
     c, _, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()

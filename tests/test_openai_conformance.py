@@ -164,7 +164,7 @@ def test_streamed_sampled_text_equals_the_whole_answer(client):
 
 
 def test_readiness_line_names_the_url_once_running():
-    from serve_apps.ready import endpoint_url
+    from kvcluster.serve_apps.ready import endpoint_url
 
     details = {"http_options": {"host": "0.0.0.0", "port": 8000},
                "applications": {"kvcluster": {"status": "DEPLOYING", "route_prefix": "/"}}}

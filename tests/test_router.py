@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from serve_apps.router import rank_by_node
+from kvcluster.serve_apps.router import rank_by_node
 
 
 @dataclass(frozen=True)

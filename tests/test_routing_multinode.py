@@ -25,7 +25,7 @@ NODE_HEADER = "x-kvcluster-node"
 
 @pytest.fixture(scope="module")
 def two_node_endpoint():
-    from serve_apps.app import build_app
+    from kvcluster.serve_apps.app import build_app
 
     if ray.is_initialized():
         ray.shutdown()

@@ -157,7 +157,7 @@ def test_api_keys_and_sliding_window_model(endpoint):
 
 
 # The gauges (tier bytes, posterior means, gap to Belady) are re-recorded every export interval by
-# actors.metrics.KeptGauge: Ray 2.60 forgets a gauge series not recorded during an interval.
+# kvcluster.actors.metrics.KeptGauge: Ray 2.60 forgets a gauge series not recorded during an interval.
 EXPECTED_METRICS = ["ray_kvcluster_tier_bytes", "ray_kvcluster_tier_lookups", "ray_kvcluster_bytes_moved",
                     "ray_kvcluster_evictions", "ray_kvcluster_ttft_seconds", "ray_kvcluster_cached_tokens",
                     "ray_kvcluster_requests", "ray_kvcluster_predictor_posterior_mean", "ray_kvcluster_belady_gap",
@@ -176,7 +176,7 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     # read (a prefetch hit) and one deleted unread (wasted)
     import numpy as np
 
-    from actors.index_actor import NAMESPACE
+    from kvcluster.actors.index_actor import NAMESPACE
     from kvcluster.keys import KeySpace
 
     dram = ray.get_actor("kvcluster/n0/dram", namespace=NAMESPACE)

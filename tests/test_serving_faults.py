@@ -15,8 +15,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from actors.index_actor import NAMESPACE  # noqa: E402
-from actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
+from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
+from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 from serving_support import DOC, INFLIGHT_LIMIT, METRICS, MODEL  # noqa: E402
 
