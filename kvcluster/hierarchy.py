@@ -10,7 +10,7 @@ tier to a storage backend and moves the bytes this class decides to move.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 from .policies.base import EvictionPolicy, RequestContext
 
@@ -23,6 +23,7 @@ class ServeResult:
     promoted: tuple[tuple[int, int], ...]  # (block, from tier) moved up into tier 0
     demoted: tuple[tuple[int, int, int], ...]  # (block, from tier, to tier)
     dropped: tuple[int, ...]  # fell out of the last tier
+    dropped_from: tuple[int, ...] = ()  # the tier each dropped block left (a block may bypass tiers)
 
     @property
     def prefix_hits(self) -> int:
@@ -69,22 +70,25 @@ class Hierarchy:
             out.append(tier)
         return out
 
-    def serve(self, blocks: Sequence[int], ctx: RequestContext) -> ServeResult:
-        """Count the prefix hit, then make every block of the request resident in tier 0."""
+    def serve(self, blocks: Sequence[int], ctx: RequestContext, pinned: Container[int] = ()) -> ServeResult:
+        """Count the prefix hit, then make every block of the request resident in tier 0.
+
+        `pinned` blocks (being read by someone) are put back when a tier picks them as victims,
+        so that tier's policy picks others; see `_keep_pinned`."""
         hit_tier = self.prefix_tiers(blocks)
         for tier in hit_tier:
             self.counters[tier].hits += 1
         promoted = self._pull_up(blocks)
         evicted = self.policies[0].access(blocks, ctx)
-        demoted, dropped = self._cascade(evicted, 0, ctx)
-        return ServeResult(tuple(hit_tier), tuple(promoted), tuple(demoted), tuple(dropped))
+        demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
+        return ServeResult(tuple(hit_tier), tuple(promoted), tuple(demoted), tuple(dropped), tuple(dropped_from))
 
     def promote(self, blocks: Sequence[int], ctx: RequestContext) -> tuple[list, list, list]:
         """Prefetch: move `blocks` held in lower tiers into tier 0 without counting a use."""
         promoted = self._pull_up(blocks)
         moved = [b for b, _ in promoted]
         evicted = self.policies[0].admit(moved, ctx) if moved else []
-        demoted, dropped = self._cascade(evicted, 0, ctx)
+        demoted, dropped, _ = self._cascade(evicted, 0, ctx)
         return promoted, demoted, dropped
 
     def _pull_up(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
@@ -98,23 +102,44 @@ class Hierarchy:
                 promoted.extend((b, tier) for b in found)
         return promoted
 
-    def _cascade(self, evicted: list[int], tier: int, ctx: RequestContext):
+    def _cascade(self, evicted: list[int], tier: int, ctx: RequestContext, pinned: Container[int] = ()):
         """Victims fall tier by tier. Each landing is reported as (block, origin, tier it landed in),
-        where origin is the tier the block left, even if it bypassed tiers in between."""
+        where origin is the tier the block left, even if it bypassed tiers in between; blocks that
+        fall out of the last tier are returned with their origins."""
         demoted: list[tuple[int, int, int]] = []
         origin = {b: tier for b in evicted}
         while evicted:
+            if pinned:
+                evicted = self._keep_pinned(evicted, tier, ctx, pinned)
+                for b in evicted:
+                    origin.setdefault(b, tier)
             self.counters[tier].evictions += len(evicted)
             below = tier + 1
             if below == len(self.policies):
-                return demoted, evicted
+                return demoted, evicted, [origin[b] for b in evicted]
             lower = self.policies[below]
             next_evicted = lower.admit(evicted, ctx)
             demoted.extend((b, origin[b], below) for b in evicted if b in lower)
             self.counters[below].demotions_in += len(evicted)
             origin = {b: origin.get(b, below) for b in next_evicted}
             evicted, tier = next_evicted, below
-        return demoted, []
+        return demoted, [], []
+
+    def _keep_pinned(self, evicted: list[int], tier: int, ctx: RequestContext, pinned: Container[int]) -> list[int]:
+        """Re-admit pinned victims into `tier`, whose policy then picks other victims. A few rounds
+        at most: if every candidate is pinned the tier is over-pinned and a pinned block falls
+        (the reader then sees a miss, never wrong bytes)."""
+        policy = self.policies[tier]
+        out = [b for b in evicted if b not in pinned]
+        back = [b for b in evicted if b in pinned]
+        for _ in range(4):
+            if not back:
+                break
+            again = policy.admit(back, ctx)
+            out.extend(b for b in again if b not in pinned)
+            back = [b for b in again if b in pinned]
+        out.extend(back)
+        return out
 
     def __contains__(self, block: int) -> bool:
         return self.locate(block) is not None

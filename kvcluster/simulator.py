@@ -68,6 +68,14 @@ class PreparedTrace:
         return out
 
 
+def request_context(trace: PreparedTrace, i: int, next_use: Sequence[int] | None = None,
+                    future: dict[int, int] | None = None) -> RequestContext:
+    """What a policy knows when request `i` arrives; the live replay builds the same."""
+    return RequestContext(index=i, now=trace.arrivals[i], block_types=trace.types[i],
+                          transition=trace.transitions[i], next_use=next_use, session=trace.sessions[i],
+                          future=future)
+
+
 def prepare(trace: Trace) -> PreparedTrace:
     ids: dict[bytes, int] = {}
     blocks = tuple(tuple(ids.setdefault(k, len(ids)) for k in r.block_keys) for r in trace.requests)
@@ -220,15 +228,7 @@ def replay(
     seen_ahead = 0
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
-        ctx = RequestContext(
-            index=i,
-            now=trace.arrivals[i],
-            block_types=trace.types[i],
-            transition=trace.transitions[i],
-            next_use=next_uses[i] if next_uses else None,
-            session=trace.sessions[i],
-            future=future,
-        )
+        ctx = request_context(trace, i, next_uses[i] if next_uses else None, future)
         if heads > 1:
             per_tier, partial = shard_prefix(hierarchy, blocks, heads)
         if future is not None:

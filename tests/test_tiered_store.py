@@ -43,7 +43,7 @@ def test_blocks_flow_down_and_come_back(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     assert serve(store, [1, 2, 3], 0) == 0
     assert serve(store, [7, 8, 9], 1) == 0  # pushes 1, 2, 3 into nvme
-    assert store.hierarchy.locate(store._ids[SPACE.chain_hash_ids([1])[0]]) == 1
+    assert store.manager.tier_of(SPACE.chain_hash_ids([1])[0]) == 1
     assert serve(store, [1, 2, 3, 4], 2) == 3  # read back from nvme, exact bytes
     assert store.fetch(SPACE.chain_hash_ids([1, 2, 3, 4])).tiers == ("nvme", "dram", "dram", "dram")  # LRU pushed 1 down
 

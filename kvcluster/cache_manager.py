@@ -1,0 +1,214 @@
+"""Where every block lives: the metadata half of the cache, apart from the bytes.
+
+The manager keeps one `Hierarchy` of eviction policies over byte keys, built by
+the same `build_hierarchy` the simulator replays, and turns each decision into a
+`StorePlan`: for every block the request touched, the tier its bytes leave and
+the tier they land in. A data plane carries the plan out (`plan_executor`:
+backends in this process, or tier actors across a cluster) and reports which
+blocks it could not move; those leave the bookkeeping, so the manager never
+claims a block no tier holds.
+
+Calls mirror an offloading manager's (vLLM's `kv_offload`, LMCache's storage
+managers): `lookup` is the prefix run, `prepare_load`/`complete_load` pin the
+blocks a reader is copying out (a pinned block is put back when a tier picks it
+as a victim), `prepare_store`/`complete_store` bracket one request's placement,
+and `drain_events` yields what was stored, moved, evicted or lost, for an index
+or a read-only replica of it. Plans are applied in the order they are issued:
+a plan's sources are where the previous plan left the blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .hierarchy import Hierarchy
+from .policies.base import RequestContext
+from .predictor import PredictorConfig
+from .simulator import TierPlan, build_hierarchy
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One block's net move in a plan: tier indices, None for "nowhere"."""
+
+    key: bytes
+    src: int | None  # the tier its bytes are read from; None: bytes the caller computed
+    dst: int | None  # the tier they land in; None: dropped (fell out of the last tier)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    plan_id: int
+    moves: tuple[Move, ...]
+
+    def by_source(self) -> dict[int, list[bytes]]:
+        """Keys to read, per source tier (moves that land somewhere)."""
+        out: dict[int, list[bytes]] = {}
+        for m in self.moves:
+            if m.src is not None and m.dst is not None:
+                out.setdefault(m.src, []).append(m.key)
+        return out
+
+    def deletes(self) -> dict[int, list[bytes]]:
+        """Keys that leave each tier: removed before anything is written, which makes the room."""
+        out: dict[int, list[bytes]] = {}
+        for m in self.moves:
+            if m.src is not None:
+                out.setdefault(m.src, []).append(m.key)
+        return out
+
+    def writes(self) -> dict[int, list[Move]]:
+        out: dict[int, list[Move]] = {}
+        for m in self.moves:
+            if m.dst is not None:
+                out.setdefault(m.dst, []).append(m)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: str  # "stored" | "moved" | "evicted" | "lost"
+    key: bytes
+    tier: int | None  # where the block is now (None: nowhere)
+    src: int | None = None  # where it was (moved, evicted, lost)
+
+
+class CacheManager:
+    def __init__(self, plan: Sequence[TierPlan], policy: str = "lru", *, policy_options: dict | None = None,
+                 predictor_config: PredictorConfig | None = None) -> None:
+        self.names = [t.name for t in plan]
+        self.policy = policy
+        self.hierarchy: Hierarchy = build_hierarchy(policy, plan, predictor_config, policy_options=policy_options)
+        self._ids: dict[bytes, int] = {}
+        self._keys: list[bytes] = []
+        self._pins: Counter = Counter()  # block id -> readers copying it out
+        self._plan_ids = itertools.count(1)
+        self._events: list[Event] = []
+        self._requests = 0
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _intern(self, keys: Iterable[bytes]) -> list[int]:
+        ids, out = self._ids, []
+        for key in keys:
+            i = ids.get(key)
+            if i is None:
+                i = ids[key] = len(self._keys)
+                self._keys.append(key)
+            out.append(i)
+        return out
+
+    def _known(self, keys: Iterable[bytes]) -> list[int | None]:
+        return [self._ids.get(k) for k in keys]
+
+    def tier_of(self, key: bytes) -> int | None:
+        i = self._ids.get(key)
+        return None if i is None else self.hierarchy.locate(i)
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Tier of each block of the leading run of `keys` that some tier holds."""
+        out = []
+        for i in self._known(keys):
+            tier = None if i is None else self.hierarchy.locate(i)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """`lookup`, with the run pinned until `complete_load`: no plan evicts it meanwhile."""
+        tiers = self.lookup(keys)
+        for i in self._known(keys[: len(tiers)]):
+            self._pins[i] += 1
+        return tiers
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        for i in self._known(keys):
+            if i is not None and self._pins[i] > 0:
+                self._pins[i] -= 1
+                if not self._pins[i]:
+                    del self._pins[i]
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Blocks whose bytes turned out unreadable (corrupt, lost with a process): no tier holds them."""
+        for key, i in zip(keys, self._known(keys)):
+            tier = None if i is None else self.hierarchy.locate(i)
+            if tier is not None:
+                self.hierarchy.policies[tier].discard([i])
+                self._events.append(Event("lost", key, None, tier))
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[bytes], computed: Iterable[bytes] = (),
+                      ctx: RequestContext | None = None) -> StorePlan:
+        """Serve one request in the hierarchy (all its blocks become resident in tier 0; victims fall)
+        and return the moves that make the tiers match. `computed`: blocks this request produced the
+        bytes of; a block neither held by a tier nor computed is left out (there is nothing to store)."""
+        computed = set(computed)
+        ids = self._intern(keys)
+        locate = self.hierarchy.locate
+        before: dict[int, int | None] = {}
+        skipped: set[int] = set()
+        served: list[int] = []
+        for key, i in zip(keys, ids):
+            if i not in before and i not in skipped:
+                where = locate(i)
+                if where is None and key not in computed:
+                    skipped.add(i)
+                    continue
+                before[i] = where
+            if i not in skipped:
+                served.append(i)
+        self._requests += 1
+        if ctx is None:
+            ctx = RequestContext(index=self._requests, now=float(self._requests))
+        result = self.hierarchy.serve(served, ctx, self._pins)
+        for block, origin, _ in result.demoted:
+            before.setdefault(block, origin)
+        for block, origin in zip(result.dropped, result.dropped_from):
+            before.setdefault(block, origin)
+        moves = []
+        for block, src in before.items():
+            dst = locate(block)
+            if dst != src:
+                moves.append(Move(self._keys[block], src, dst))
+        return StorePlan(next(self._plan_ids), tuple(moves))
+
+    def complete_store(self, plan: StorePlan, failed: Iterable[bytes] = ()) -> None:
+        """The data plane carried `plan` out except for `failed` blocks (unreadable source, refused
+        write): those leave the tier the plan put them in."""
+        failed = set(failed)
+        for m in plan.moves:
+            if m.key in failed:
+                if m.dst is not None:
+                    self.hierarchy.policies[m.dst].discard([self._ids[m.key]])
+                self._events.append(Event("lost", m.key, None, m.src))
+            elif m.src is None:
+                self._events.append(Event("stored", m.key, m.dst))
+            elif m.dst is None:
+                self._events.append(Event("evicted", m.key, None, m.src))
+            else:
+                self._events.append(Event("moved", m.key, m.dst, m.src))
+
+    def drain_events(self) -> list[Event]:
+        out, self._events = self._events, []
+        return out
+
+    # -- views --------------------------------------------------------------------------------
+
+    def occupancy(self) -> dict[str, int]:
+        return {name: len(p) for name, p in zip(self.names, self.hierarchy.policies)}
+
+    def resident(self) -> Mapping[str, list[bytes]]:
+        return {name: [self._keys[i] for i in p.resident()] for name, p in zip(self.names, self.hierarchy.policies)}
+
+    def counters(self) -> list[dict]:
+        return [{"name": n, **c.__dict__} for n, c in zip(self.names, self.hierarchy.counters)]
+
+    def tracked(self) -> int:
+        return len(self._keys)

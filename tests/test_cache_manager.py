@@ -1,0 +1,178 @@
+"""The cache manager and its plans: the simulator's hit rates over real bytes, tiers that match the
+bookkeeping after every request, failed moves that become misses, pinned blocks that stay put."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcluster.cache_manager import CacheManager
+from kvcluster.control_plane import ControlPlane
+from kvcluster.paths import shared_data_dir
+from kvcluster.simulator import TierPlan, prepare, replay, request_context
+from kvcluster.traces import load_trace
+
+BLOCK = 64
+
+
+def key_of(block: int) -> bytes:
+    return block.to_bytes(8, "big")
+
+
+def payload_of(key: bytes) -> np.ndarray:
+    return np.frombuffer(key * (BLOCK // len(key)), dtype=np.uint8).copy()
+
+
+class DictTiers:
+    """An in-memory data plane with hard capacities: a write into a full tier is refused, and recorded."""
+
+    def __init__(self, capacities: list[int], unreadable: set[bytes] = frozenset()) -> None:
+        self.capacities = capacities
+        self.tiers: list[dict[bytes, np.ndarray]] = [{} for _ in capacities]
+        self.unreadable = set(unreadable)
+        self.refused = 0
+        self.calls = 0
+
+    def read(self, keys, out=None):
+        self.calls += 1
+        return {t: ([None if k in self.unreadable else self.tiers[t].get(k) for k in ks], [None] * len(ks))
+                for t, ks in keys.items()}
+
+    def delete(self, keys) -> None:
+        self.calls += 1
+        for t, ks in keys.items():
+            for k in ks:
+                self.tiers[t].pop(k, None)
+
+    def write(self, items):
+        self.calls += 1
+        out = {}
+        for t, (ks, ps, _) in items.items():
+            ok = []
+            for k, p in zip(ks, ps):
+                room = len(self.tiers[t]) < self.capacities[t] or k in self.tiers[t]
+                if room:
+                    self.tiers[t][k] = p
+                self.refused += not room
+                ok.append(room)
+            out[t] = ok
+        return out
+
+
+def assert_tiers_match(manager: CacheManager, tiers: DictTiers) -> None:
+    for t, (name, resident) in enumerate(manager.resident().items()):
+        assert set(resident) == set(tiers.tiers[t]), f"tier {name}: bookkeeping and bytes disagree"
+        for key, data in tiers.tiers[t].items():
+            assert np.array_equal(data, payload_of(key)), f"tier {name} holds wrong bytes"
+
+
+def replay_through_plane(trace, policy: str, plan: list[TierPlan]) -> tuple[list[int], DictTiers, CacheManager]:
+    manager = CacheManager(plan, policy)
+    tiers = DictTiers([t.capacity_blocks for t in plan])
+    plane = ControlPlane(manager, tiers)
+    hits = [0] * len(plan)
+    for i, blocks in enumerate(trace.blocks):
+        keys = [key_of(b) for b in blocks]
+        got = plane.serve(keys, {k: payload_of(k) for k in keys}, request_context(trace, i))
+        for tier, data, key in zip(got.tiers, got.payloads, keys):
+            assert np.array_equal(data, payload_of(key))
+            hits[tier] += 1
+    return hits, tiers, manager
+
+
+@pytest.fixture(scope="module")
+def mooncake_slice():
+    return prepare(load_trace(str(shared_data_dir() / "mooncake" / "synthetic_trace.jsonl"), max_records=300))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "sieve", "bayes", "bayes-v1"])
+def test_the_plane_over_real_bytes_hits_exactly_what_the_simulator_replays(mooncake_slice, policy: str) -> None:
+    trace = mooncake_slice
+    plan = [TierPlan("dram", trace.unique_blocks // 50), TierPlan("nvme", trace.unique_blocks // 25),
+            TierPlan("pfs", trace.unique_blocks // 10)]
+    simulated = replay(trace, policy, plan)
+    hits, tiers, manager = replay_through_plane(trace, policy, plan)
+    assert hits == [t["hits"] for t in simulated.tiers]
+    assert sum(hits) == simulated.prefix_hits > 0
+    assert tiers.refused == 0  # the deletes of a plan always made the room its writes needed
+    assert_tiers_match(manager, tiers)
+    assert [len(t) for t in tiers.tiers] == [min(p.capacity_blocks, n) for p, n in
+                                            zip(plan, manager.occupancy().values())]
+
+
+requests = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=requests, caps=st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(1, 8)),
+       policy=st.sampled_from(["lru", "arc", "s3fifo", "sieve", "bayes"]))
+def test_after_every_request_each_tier_holds_exactly_what_the_manager_says(requests, caps, policy) -> None:
+    plan = [TierPlan(n, c) for n, c in zip(("dram", "nvme", "pfs"), caps)]
+    manager = CacheManager(plan, policy)
+    tiers = DictTiers(list(caps))
+    plane = ControlPlane(manager, tiers)
+    for blocks in requests:
+        keys = [key_of(b) for b in blocks]
+        plane.serve(keys, {k: payload_of(k) for k in keys})
+        manager.hierarchy.check_integrity()
+        assert_tiers_match(manager, tiers)
+        assert tiers.refused == 0
+
+
+def test_a_block_whose_source_cannot_be_read_is_dropped_not_claimed() -> None:
+    manager = CacheManager([TierPlan("dram", 2), TierPlan("nvme", 4)], "lru")
+    tiers = DictTiers([2, 4])
+    plane = ControlPlane(manager, tiers)
+    a, b, c = key_of(1), key_of(2), key_of(3)
+    plane.serve([a, b], {a: payload_of(a), b: payload_of(b)})
+    plane.serve([c], {c: payload_of(c)})  # a falls to nvme
+    assert manager.tier_of(a) == 1
+    tiers.unreadable.add(a)  # its bytes rot in nvme
+    got = plane.serve([a, b], {a: payload_of(a), b: payload_of(b)})
+    assert got.tiers == () and got.corrupt == 1  # the run stops at a: nothing served from it
+    assert manager.tier_of(a) == 0  # recomputed and stored again from the request's own bytes
+    assert_tiers_match(manager, tiers)
+    events = [(e.kind, e.key) for e in manager.drain_events()]
+    assert ("lost", a) in events and ("stored", a) in events
+
+
+def test_a_failed_write_leaves_the_block_out_of_the_bookkeeping() -> None:
+    manager = CacheManager([TierPlan("dram", 2)], "lru")
+    tiers = DictTiers([1])  # the bytes hold less than the policy believes
+    plane = ControlPlane(manager, tiers)
+    a, b = key_of(1), key_of(2)
+    plan, failed = plane.commit([a, b], {a: (payload_of(a), None), b: (payload_of(b), None)})
+    assert failed == [b] and manager.tier_of(b) is None and manager.tier_of(a) == 0
+    assert_tiers_match(manager, tiers)
+
+
+def test_a_pinned_block_is_not_evicted_while_it_is_read() -> None:
+    manager = CacheManager([TierPlan("dram", 2)], "lru")
+    tiers = DictTiers([2])
+    plane = ControlPlane(manager, tiers)
+    a, b, c, d = (key_of(i) for i in range(1, 5))
+    plane.serve([a], {a: payload_of(a)})
+    plane.serve([b], {b: payload_of(b)})
+    assert manager.prepare_load([a]) == [0]  # a reader starts copying a out; a is the LRU victim
+    plane.serve([c], {c: payload_of(c)})
+    assert manager.tier_of(a) == 0 and manager.tier_of(b) is None  # the policy picked the next victim
+    manager.complete_load([a])
+    e = key_of(5)
+    plane.serve([d, e], {d: payload_of(d), e: payload_of(e)})
+    assert manager.tier_of(a) is None and manager.tier_of(c) is None  # unpinned, a can go like any block
+    assert_tiers_match(manager, tiers)
+
+
+def test_a_plan_costs_a_fixed_number_of_batched_calls() -> None:
+    manager = CacheManager([TierPlan("dram", 8), TierPlan("nvme", 8), TierPlan("pfs", 64)], "lru")
+    tiers = DictTiers([8, 8, 64])
+    plane = ControlPlane(manager, tiers)
+    for start in range(0, 64, 8):
+        keys = [key_of(b) for b in range(start, start + 8)]
+        plane.serve(keys, {k: payload_of(k) for k in keys})
+    keys = [key_of(b) for b in range(8)]  # all in pfs now: a fetch and promotions, demotions all round
+    tiers.calls = 0
+    plane.serve(keys, {})
+    assert tiers.calls == 4  # the run's read, then the plan's read, delete and write rounds; never per block
