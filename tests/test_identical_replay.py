@@ -26,7 +26,6 @@ from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
 from kvcluster.actors.placement_actor import PLACEMENT_NAME  # noqa: E402
 from kvcluster.actors.tier_actor import actor_name  # noqa: E402
 from kvcluster.cluster_config import load_cluster_config  # noqa: E402
-from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
 from kvcluster.serving.models import load_model  # noqa: E402
 from kvcluster.serving.runner import ModelRunner  # noqa: E402
@@ -34,6 +33,8 @@ from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 from kvcluster.storage import hbm_backend  # noqa: E402
 from kvcluster.storage.tiered import TieredStore  # noqa: E402
 from kvcluster.serve_apps.cluster_store import ClusterBlockStore  # noqa: E402
+
+from data_support import require_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RECORDS = 24
@@ -45,7 +46,7 @@ def mooncake_prompts(n: int, scale: int = SCALE) -> list[list[int]]:
     """Token ids for the first `n` Mooncake records: each hash id is a fixed run of 512/scale token ids."""
     per_hash = 512 // scale
     prompts = []
-    with open(shared_data_dir() / "mooncake" / "synthetic_trace.jsonl") as f:
+    with open(require_data("mooncake", "synthetic_trace.jsonl")) as f:
         for line, _ in zip(f, range(n)):
             record = json.loads(line)
             ids: list[int] = []

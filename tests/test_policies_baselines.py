@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcluster.errors import ConfigError
-from kvcluster.paths import shared_data_dir
 from kvcluster.policies import FAR, RequestContext, make_policy
 from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces import load_trace
+
+from data_support import require_data
 
 CTX = RequestContext(0, 0.0)
 ONLINE = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-v1"]
@@ -103,9 +104,7 @@ def test_capacity_admit_discard_integrity(name, capacity, requests) -> None:
 
 @pytest.mark.slow
 def test_mooncake_reference_numbers() -> None:
-    path = shared_data_dir() / "mooncake" / "synthetic_trace.jsonl"
-    if not path.exists():
-        pytest.skip("shared data not present")
+    path = require_data("mooncake", "synthetic_trace.jsonl")
     trace = prepare(load_trace(str(path)))
     assert trace.unique_blocks == 43_924 and round(0.05 * trace.unique_blocks) == 2196
     assert trace.infinite_hit_rate() == pytest.approx(0.640, abs=5e-4)
