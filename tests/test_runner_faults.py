@@ -70,7 +70,9 @@ def test_a_corrupt_pfs_file_is_a_miss(loaded, cold, tmp_path):
         f.write_bytes(bytes(data))
     gen = runner.complete(tokens, GREEDY)
     assert gen.output_ids == cold.complete(tokens, GREEDY).output_ids
-    assert pfs.stats()["corrupt"] >= 1 and gen.cached_tokens < 112
+    # 120 prompt + 7 fed-back tokens: 7 blocks; LRU keeps the last two placed (5, 6) on nvme, 0-4 spill to pfs and
+    # are read in one batch, each failing its checksum; block 0 is among them, so no prefix run is left
+    assert pfs.stats()["corrupt"] == 5 and gen.cached_tokens == 0
 
 
 def test_a_full_nvme_tier_refuses_and_requests_stay_correct(loaded, cold, tmp_path):
@@ -93,19 +95,18 @@ def test_pfs_that_becomes_unwritable_leaves_misses(loaded, cold, tmp_path):
     first = runner.complete(tokens, GREEDY)
     second = runner.complete(tokens, GREEDY)
     assert first.output_ids == second.output_ids == cold.complete(tokens, GREEDY).output_ids
-    assert second.cached_tokens == 0 and pfs.stats()["put_failures"] > 0
+    # each request computes 5 whole blocks (80 prompt + 7 fed-back tokens) and none lands: 5 refused puts apiece
+    assert second.cached_tokens == 0 and pfs.stats()["put_failures"] == 10
 
 
 def test_mixed_tenants_never_hit_each_others_blocks(loaded, tmp_path):
     """A replay interleaving three tenants over the same prompts: every hit is the tenant's own."""
     runner, _, _ = disk_runner(loaded, tmp_path)
     shared = prompt(64, seed=4)
-    seen: dict[str, int] = {}
     for turn in range(3):
         for tenant in ("a", "b", "c"):
             tokens = shared + prompt(16 * turn, seed=10 + turn)
             gen = runner.complete(tokens, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=tenant)
-            own = seen.get(tenant, 0)
-            assert gen.cached_tokens <= own, (tenant, turn, gen.cached_tokens, own)  # nothing from other tenants
-            seen[tenant] = len(tokens) // 16 * 16  # what this tenant itself stored (prompt + 1 token, minus it)
-        assert all(v > 0 for v in seen.values())
+            # first turn: nothing of its own yet (b and c would hit a's 3 usable blocks if salts leaked); later:
+            # the 4 shared blocks it stored itself, not the tail, which differs from its previous turn's
+            assert gen.cached_tokens == (0 if turn == 0 else 64), (tenant, turn, gen.cached_tokens)
