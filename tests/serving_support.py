@@ -52,3 +52,16 @@ def start_endpoint():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def expected_cached(prompt_ids: list[int], stored: list[list[int]], block_tokens: int = 16) -> int:
+    """The exact `cached_tokens` of a prompt once the token sequences `stored` are in the cache (nothing evicted).
+
+    A request stores the whole blocks of its prompt plus every output token but the last (never fed back);
+    a later prompt gets the whole blocks it shares with the longest of those, short of the block holding its
+    own last token, which is always computed."""
+    shared = 0
+    for seq in stored:
+        n = next((i for i, (a, b) in enumerate(zip(prompt_ids, seq)) if a != b), min(len(prompt_ids), len(seq)))
+        shared = max(shared, n // block_tokens)
+    return min(shared, (len(prompt_ids) - 1) // block_tokens) * block_tokens
