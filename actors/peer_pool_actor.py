@@ -1,8 +1,10 @@
 """A node's DRAM pool lent to the cluster over NIXL, and the client tier that reads it.
 
-`PeerPoolActor` (on the owning node) contains a `NixlPeerPool`; `RdmaTierActor`
-(on another node) contains an `RDMABackend` whose control calls go to the
-owner's actor handle, one call per batch, while the bytes move node to node
+`PeerPoolActor` (on the owning node) contains a `NixlPeerPool` of its own and
+serves the NIXL peer protocol through `PeerServer`, as a memory `TierActor`
+does for its tier's slab; `RdmaTierActor` (on another node) contains an
+`RDMABackend` whose control calls go to the owner's actor handle
+(`ActorPeerControl`), one call per batch, while the bytes move node to node
 through NIXL (UCX: RDMA where the nodes have it, else TCP; `RDMABackend.medium` says which).
 """
 
@@ -12,65 +14,28 @@ import numpy as np
 import ray
 
 from kvcluster.storage import NixlPeerPool, RDMABackend
-from kvcluster.storage.rdma import PeerUnavailable
 
 from .index_actor import INDEX_NAME, NAMESPACE
+from .index_reporter import IndexReporter
+from .peer_control import ActorPeerControl
+from .peer_server import PeerServer
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
-class PeerPoolActor:
+class PeerPoolActor(PeerServer):
     def __init__(self, node: str, slots: int, slot_bytes: int) -> None:
         self.node = node
         self.pool = NixlPeerPool(slots, slot_bytes, name=f"kvc-pool-{node}")
-        self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
-        self.index.lost.remote(node, "dram")
+        self.reporter = IndexReporter(ray.get_actor(INDEX_NAME, namespace=NAMESPACE), node, "dram")
+        self.reporter.lost()
+
+    def _lend(self) -> NixlPeerPool:
+        return self.pool
 
     def put_local(self, keys: list[bytes], payloads: list[np.ndarray]) -> list[bool]:
         ok = self.pool.put_local(keys, payloads)
-        self.index.stored.remote(self.node, "dram", [k for k, good in zip(keys, ok) if good])
+        self.reporter.stored([k for k, good in zip(keys, ok) if good])
         return ok
-
-    def connect(self, client_metadata: bytes):
-        return self.pool.connect(client_metadata)
-
-    def reserve(self, keys: list[bytes], lengths: list[int]):
-        return self.pool.reserve(keys, lengths)
-
-    def commit(self, keys: list[bytes], slots: list[int], lengths: list[int], digests: list[int]) -> None:
-        self.pool.commit(keys, slots, lengths, digests)
-        self.index.stored.remote(self.node, "dram", keys)
-
-    def lookup(self, keys: list[bytes]):
-        return self.pool.lookup(keys)
-
-    def release(self, keys: list[bytes]) -> int:
-        self.index.removed.remote(self.node, "dram", keys)
-        return self.pool.release(keys)
-
-    def usage(self) -> int:
-        return self.pool.usage()
-
-
-class ActorPeerControl:
-    """PeerControl over a PeerPoolActor handle: each method is one blocking batched call.
-
-    An owner that does not answer within `timeout_s` (its node left, it is
-    restarting) raises PeerUnavailable, which the backend turns into misses.
-    """
-
-    def __init__(self, handle, timeout_s: float = 5.0) -> None:
-        self.handle, self.timeout_s = handle, timeout_s
-
-    def __getattr__(self, method: str):
-        remote = getattr(self.handle, method)
-
-        def call(*args):
-            try:
-                return ray.get(remote.remote(*args), timeout=self.timeout_s)
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:  # dead, unschedulable, slow
-                raise PeerUnavailable(f"peer pool {method}: {type(exc).__name__}") from None
-
-        return call
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

@@ -25,7 +25,7 @@ import ray
 
 from kvcluster.actors import metrics
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
-from kvcluster.actors.peer_pool_actor import ActorPeerControl
+from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
