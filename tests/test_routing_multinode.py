@@ -17,7 +17,9 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from serving_support import DOC, MODEL, _free_port  # noqa: E402
+from kvcluster.serving.sampling import SamplingParams  # noqa: E402
+
+from serving_support import DOC, MODEL, _free_port, expected_cached  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODE_HEADER = "x-kvcluster-node"
@@ -61,14 +63,22 @@ def ask(endpoint: str, prompt: str) -> tuple[str, int]:
     return r.headers[NODE_HEADER], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_every_turn_goes_to_the_node_holding_its_prefix(two_node_endpoint):
+def test_every_turn_goes_to_the_node_holding_its_prefix(two_node_endpoint, reference):
+    def stored(prompt: str) -> list[int]:
+        """What the replica serving `prompt` stored: its tokens and every output token but the last."""
+        ids = reference.loaded.tokenizer.encode(prompt)
+        return ids + reference.complete(ids, SamplingParams(max_tokens=2, temperature=0)).output_ids[:-1]
+
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "KVReplica" in a["name"]}
     assert len(names) == 2
     conversations = [f"Conversation {i}: " + DOC[: 300 + 60 * i] for i in range(4)]
     first = {c: ask(two_node_endpoint, c)[0] for c in conversations}
     assert set(first.values()) <= {"head", "node-b"}
+    history = {c: [stored(c)] for c in conversations}
     for turn in range(4):
         for c in conversations:
-            node, cached = ask(two_node_endpoint, c + f" Turn {turn}: tell me more.")
+            prompt = c + f" Turn {turn}: tell me more."
+            node, cached = ask(two_node_endpoint, prompt)
             assert node == first[c], (c[:16], turn, node, first[c])  # sent to the replica next to its blocks
-            assert cached >= 64
+            assert cached == expected_cached(reference.loaded.tokenizer.encode(prompt), history[c]), (c[:16], turn)
+            history[c].append(stored(prompt))
