@@ -160,6 +160,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from .simulator import prepare
 
     policies = args.policies or ((args.policy,) if args.policy else ("lru", "bayes", "belady"))
+    if args.live:
+        return _cmd_replay_live(args, tuple(policies))
     options = ReplayOptions(
         policies=tuple(policies),
         capacity_blocks=args.capacity_blocks or (),
@@ -205,6 +207,64 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                       for r in cal["reliability"]], ["predicted", "refs", "mean predicted", "observed"]))
     if args.plot:
         print(f"wrote {args.plot}")
+    return 0
+
+
+REPLAY_DRIVERS_GROUP = "kvcluster.replay_drivers"  # entry points: name -> replay function (live: the Ray side)
+
+
+def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
+    """`replay --live`: the driver comes from the cluster package by entry point, so the core never imports Ray."""
+    from importlib.metadata import entry_points
+
+    from .policies.registry import POLICIES, policy_names
+    from .simulator import prepare
+
+    for flag, value in (("--tiers", args.tiers), ("--lookahead-s", args.lookahead_s),
+                        ("--prefetch-lead-s", args.prefetch_lead_s), ("--calibration", args.calibration),
+                        ("--plot", args.plot)):
+        if value:
+            raise ConfigError(f"{flag} is a simulator option; --live takes --cluster and --capacity-* per tier")
+    for name in policies:
+        if name not in policy_names():
+            raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
+        if POLICIES[name].offline:
+            raise ConfigError(f"--policy {name}: an offline policy reads the future; a live cluster cannot run it")
+    if any(f <= 0 or f > 1 for f in args.capacity_frac or ()):
+        raise ConfigError("--capacity-frac values must be in (0, 1]")
+    driver = next((e for e in entry_points(group=REPLAY_DRIVERS_GROUP) if e.name == "live"), None)
+    try:
+        replay_live = driver.load() if driver is not None else None
+    except ImportError:
+        replay_live = None
+    if replay_live is None:
+        raise ConfigError("--live needs the cluster side: pip install 'kvcluster[cluster]'")
+    trace = _load_trace(args)
+    prepared = prepare(trace)
+    capacities = list(args.capacity_blocks) if args.capacity_blocks else \
+        [max(1, round(f * prepared.unique_blocks)) for f in args.capacity_frac] if args.capacity_frac else None
+    runs = []
+    for policy in policies:
+        runs.append(replay_live(prepared, policy, args.cluster, capacities, args.live_block_bytes,
+                                _progress_factory(_show_progress(args), prepared.requests)(f"{policy} live")))
+    report = {"trace": prepared.name, "requests": prepared.requests, "block_refs": prepared.block_refs,
+              "unique_blocks": prepared.unique_blocks, "block_size": prepared.block_size, "driver": "live",
+              "cluster": args.cluster, "block_bytes": args.live_block_bytes,
+              "results": [r["live"] for r in runs], "simulated": [r["simulated"] for r in runs],
+              "wrong_bytes": sum(r["wrong_bytes"] for r in runs),
+              "max_abs_diff": max(r["max_abs_diff"] for r in runs), "format": trace.format,
+              "skipped_records": len(trace.skipped)}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['trace']} ({trace.format}): {report['requests']:,} requests, {report['block_refs']:,} block "
+          f"refs, live through cluster {args.cluster!r} ({args.live_block_bytes}-byte blocks)")
+    rows = [[live["policy"], f"{live['capacity_blocks']:,}", f"{live['hit_rate']:.4f}", f"{sim['hit_rate']:.4f}",
+             " ".join(f"{k}={v:.3f}" for k, v in live["per_tier"].items()), f"{live['refs_per_s']:,}"]
+            for live, sim in zip(report["results"], report["simulated"])]
+    print(_table(rows, ["policy", "capacity", "live hit rate", "simulated", "live per tier", "refs/s"]))
+    print(f"largest live-simulated difference, overall or per tier: {report['max_abs_diff']:.4f}; "
+          f"hits with wrong bytes: {report['wrong_bytes']}")
     return 0
 
 
@@ -334,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--calibration", type=_non_negative_float, nargs="?", const=60.0, metavar="SECONDS",
                     help="also score the reuse-gap predictor: Brier score and reliability per decile of "
                          "P(reuse within SECONDS) (default 60)")
+    rp.add_argument("--live", action="store_true",
+                    help="replay through the live control plane instead: real tier actors of --cluster with real "
+                         "backends (under a scratch directory), the policy run by the control plane actor; prints "
+                         "the simulator's figures for the same tiers beside the live ones. --capacity-* then give "
+                         "one value per tier of the cluster (default: the cluster's own). Needs kvcluster[cluster]")
+    rp.add_argument("--cluster", default="local", help="cluster YAML for --live (default local)")
+    rp.add_argument("--live-block-bytes", type=positive_int, default=4096, metavar="BYTES",
+                    help="payload bytes per block in --live (default 4096: stand-in KV, small to keep it quick)")
     _trace_options(rp, TRACE_FORMATS)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity as a PNG")

@@ -1,0 +1,88 @@
+"""One engine, two drivers: a trace through real tier actors and the control plane actor hits what the
+simulator replays, per tier, on bytes read back from the tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvcluster.actors.live_replay import block_key, block_payload, hierarchy_tiers, replay_live  # noqa: E402
+from kvcluster.cluster_config import load_cluster_config  # noqa: E402
+from kvcluster.paths import shared_data_dir  # noqa: E402
+from kvcluster.simulator import prepare  # noqa: E402
+from kvcluster.traces import load_trace  # noqa: E402
+
+MOONCAKE = shared_data_dir() / "mooncake" / "synthetic_trace.jsonl"
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def own_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return prepare(load_trace(str(MOONCAKE), max_records=150))
+
+
+@pytest.mark.parametrize("policy", ["lru", "bayes", "arc"])
+def test_live_and_simulated_hit_rates_are_equal_per_tier(own_ray, trace, policy: str) -> None:
+    caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
+    out = replay_live(trace, policy, "local", caps)
+    live, simulated = out["live"], out["simulated"]
+    assert out["wrong_bytes"] == 0
+    assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
+    assert live["prefix_hits"] == simulated["prefix_hits"] > 0
+    assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
+    assert out["max_abs_diff"] == 0.0
+    assert [t["name"] for t in live["tiers"]] == ["n0/dram", "n0/nvme", "n0/pfs"]
+
+
+def test_the_hierarchy_orders_every_nodes_tiers_by_speed_and_counts_a_shared_pfs_once() -> None:
+    cfg = load_cluster_config("two-workers-tiny")
+    labels = [f"{node.name}/{tier.tier}" for node, tier in hierarchy_tiers(cfg)]
+    kinds = [label.split("/")[1] for label in labels]
+    assert kinds == sorted(kinds, key=["dram", "cxl", "nvme", "pfs"].index)
+    assert kinds.count("pfs") == 1
+    assert len(labels) == sum(len(n.tiers) for n in cfg.nodes) - (sum(t.tier == "pfs" for n in cfg.nodes
+                                                                     for t in n.tiers) - 1)
+
+
+def test_stand_in_bytes_differ_for_every_block() -> None:
+    a, b = block_payload(block_key(1), 4096), block_payload(block_key(2), 4096)
+    assert a.nbytes == 4096 and (a != b).any() and (block_payload(block_key(1), 4096) == a).all()
+
+
+def test_the_cli_prints_the_simulators_json_with_the_live_figures() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(MOONCAKE), "--live", "--policy", "lru",
+                          "--capacity-blocks", "40,80,200", "--max-records", "60", "--json"],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["driver"] == "live" and out["wrong_bytes"] == 0 and out["max_abs_diff"] == 0.0
+    live, sim = out["results"][0], out["simulated"][0]
+    assert set(sim) <= set(live) | {"projected_ttft_s", "throughput"}
+    assert live["capacity_blocks"] == 320 and live["per_tier"] == sim["per_tier"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "belady", "--capacity-blocks", "1,1,1"], "offline policy"),
+    (["--policy", "lru", "--capacity-blocks", "1,1"], "one value per tier"),
+    (["--policy", "lru", "--tiers", "h100-node"], "--tiers is a simulator option"),
+    (["--policy", "lru", "--capacity-frac", "0,0.1,0.2"], "--capacity-frac"),
+])
+def test_bad_live_options_are_refused_by_name(argv, message: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(MOONCAKE), "--live", "--max-records", "5",
+                          *argv], capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
