@@ -199,6 +199,10 @@ class TierActor(PeerServer):
 
     # ---- reports -------------------------------------------------------------------------------------------
 
+    def held_keys(self) -> list[bytes]:
+        """Every block this tier holds, for a control plane rebuilding its view after a restart."""
+        return list(self.backend.keys())
+
     def stats(self) -> dict:
         return {**self.backend.stats(), "nixl_pulled_blocks": self.puller.pulled,
                 "nixl_direct_reads": self.puller.direct_reads(), "prefetched_unread": len(self.prefetched)}

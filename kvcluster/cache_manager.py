@@ -104,6 +104,9 @@ class CacheManager:
     def _known(self, keys: Iterable[bytes]) -> list[int | None]:
         return [self._ids.get(k) for k in keys]
 
+    def _known_ids(self, keys: Iterable[bytes]) -> list[int]:
+        return [i for i in self._known(keys) if i is not None]
+
     def tier_of(self, key: bytes) -> int | None:
         i = self._ids.get(key)
         return None if i is None else self.hierarchy.locate(i)
@@ -141,6 +144,16 @@ class CacheManager:
             if tier is not None:
                 self.hierarchy.policies[tier].discard([i])
                 self._events.append(Event("lost", key, None, tier))
+
+    def adopt(self, tier: int, keys: Sequence[bytes]) -> list[bytes]:
+        """Blocks `tier` already holds (a restarted control plane rebuilding its view from the tiers).
+        Returns the keys to delete there: those another tier holds already, and the policy's victims
+        when the tier holds more than its capacity."""
+        ids = self._intern(keys)
+        fresh = [i for i in ids if self.hierarchy.locate(i) is None]
+        extra = [self._keys[i] for i in ids if self.hierarchy.locate(i) not in (None, tier)]
+        victims = self.hierarchy.policies[tier].admit(fresh, RequestContext(index=self._requests, now=0.0))
+        return extra + [self._keys[i] for i in victims]
 
     # -- stores -------------------------------------------------------------------------------
 

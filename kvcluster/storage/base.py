@@ -132,6 +132,10 @@ class SlottedBackend(StorageBackend):
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [key in self.table for key in keys]
 
+    def keys(self) -> list[BlockKey]:
+        """Every block held (a control plane that restarts rebuilds its bookkeeping from these)."""
+        return self.table.keys()
+
     def delete(self, keys: Sequence[BlockKey]) -> int:
         n = sum(self.table.release(key) for key in keys)
         self._stats.deletes += n

@@ -37,6 +37,9 @@ class SlotTable:
     def get(self, key: BlockKey) -> SlotEntry | None:
         return self._entries.get(key)
 
+    def keys(self) -> list[BlockKey]:
+        return list(self._entries)
+
     def allocate(self, key: BlockKey) -> int | None:
         """The slot for `key` (its old one when overwriting), or None when full."""
         entry = self._entries.get(key)

@@ -1,0 +1,83 @@
+"""Per-node hierarchies under one control plane: blocks follow the node that uses them, never in zero
+places; a shared pfs is split among the nodes that mount it; a restart rebuilds the view from the tiers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcluster.cluster_config import ClusterConfig
+from kvcluster.cluster_control import NodeCaches, node_chains
+from test_cache_manager import DictTiers, key_of, payload_of
+
+
+def two_nodes() -> ClusterConfig:
+    return ClusterConfig.model_validate({
+        "model": "kvcluster-tiny-llama", "checkpoint_dir": "/tmp/x",
+        "nodes": [{"name": "a", "tiers": [{"tier": "pfs", "capacity_gib": 1, "path": "/shared"},
+                                          {"tier": "dram", "capacity_gib": 1}]},
+                  {"name": "b", "ray_resource": "b", "tiers": [{"tier": "dram", "capacity_gib": 1},
+                                                               {"tier": "pfs", "capacity_gib": 1, "path": "/shared"}]}]})
+
+
+def test_chains_run_fastest_first_and_split_a_shared_pfs() -> None:
+    slots = {("a", "dram"): 4, ("a", "pfs"): 10, ("b", "dram"): 3, ("b", "pfs"): 10}
+    chains = node_chains(two_nodes(), slots)
+    assert [(t.label, t.capacity_blocks) for t in chains["a"]] == [("a/dram", 4), ("a/pfs", 5)]
+    assert [(t.label, t.capacity_blocks) for t in chains["b"]] == [("b/dram", 3), ("b/pfs", 5)]
+
+
+def make(policy: str = "lru"):
+    chains = node_chains(two_nodes(), {("a", "dram"): 2, ("a", "pfs"): 8, ("b", "dram"): 2, ("b", "pfs"): 8})
+    io = {node: DictTiers([t.capacity_blocks for t in chain]) for node, chain in chains.items()}
+    return NodeCaches(chains, io, policy), io
+
+
+def held(keys):
+    return {k: (payload_of(k), None) for k in keys}
+
+
+def assert_match(caches: NodeCaches, io) -> None:
+    for node, manager in caches.managers.items():
+        for t, resident in enumerate(manager.resident().values()):
+            assert set(resident) == set(io[node].tiers[t])
+            for k in resident:
+                assert np.array_equal(io[node].tiers[t][k], payload_of(k))
+    everywhere = [k for m in caches.managers.values() for r in m.resident().values() for k in r]
+    assert len(everywhere) == len(set(everywhere)), "a block lives in two nodes' hierarchies"
+
+
+def test_a_block_used_on_another_node_migrates_there() -> None:
+    caches, io = make()
+    ks = [key_of(i) for i in range(1, 5)]
+    caches.commit("a", ks[:2], held(ks[:2]))
+    caches.commit("a", ks[2:], held(ks[2:]))  # ks[:2] fall to a's pfs share
+    assert caches.managers["a"].tier_of(ks[0]) == 1
+    plan, failed = caches.commit("b", ks[:2], {})  # b's replica read them (over NIXL) and sent no bytes
+    assert failed == [] and caches.totals["migrated"] == 2
+    assert [caches.managers["b"].tier_of(k) for k in ks[:2]] == [0, 0]
+    assert [caches.managers["a"].tier_of(k) for k in ks[:2]] == [None, None]
+    assert_match(caches, io)
+
+
+def test_a_migration_whose_source_cannot_be_read_keeps_nothing_and_deletes_nothing() -> None:
+    caches, io = make()
+    k = key_of(7)
+    caches.commit("a", [k], held([k]))
+    io["a"].unreadable.add(k)
+    plan, failed = caches.commit("b", [k], {})
+    assert caches.managers["b"].tier_of(k) is None and caches.managers["a"].tier_of(k) == 0
+    assert k in io["a"].tiers[0]  # the source stays: it was never copied
+    assert_match(caches, io)
+
+
+def test_a_restarted_control_plane_adopts_what_the_tiers_hold() -> None:
+    caches, io = make()
+    ks = [key_of(i) for i in range(1, 6)]
+    for k in ks:
+        caches.commit("a", [k], held([k]))
+    fresh = NodeCaches(caches.chains, io, "lru")
+    for t in range(2):
+        extra = fresh.adopt("a", t, list(io["a"].tiers[t]))
+        assert extra == []
+    assert fresh.managers["a"].occupancy() == caches.managers["a"].occupancy()
+    assert_match(fresh, io)
