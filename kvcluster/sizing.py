@@ -9,6 +9,7 @@ transformers actually caches.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .dtypes import canonical_dtype, dtype_bytes
 from .errors import ConfigError
@@ -162,3 +163,20 @@ def decompressed_mla_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     cfg = spec.hf_config.get_text_config()
     per_layer = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     return per_layer * len(spec.layers) * dtype_bytes(dtype)
+
+
+def cache_tensor_bytes(cache: Any) -> int:
+    """Bytes of every tensor a transformers cache holds (K/V, the MLA latent, conv and recurrent state).
+
+    The measured side of `size_model`: the sizing tests and the GPU check both hold the
+    engine's figure against this count, so they count the same way.
+    """
+    import torch  # only a caller that holds a transformers cache gets here: the core imports no torch for sizing
+
+    total = 0
+    for layer in cache.layers:
+        for attr in ("keys", "values", "conv_states", "recurrent_states"):
+            value = getattr(layer, attr, None)
+            parts = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            total += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+    return total

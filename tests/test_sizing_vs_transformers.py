@@ -13,7 +13,7 @@ import torch
 
 from kvcluster.model_spec import spec_from_dict
 from kvcluster.paths import configs_dir
-from kvcluster.sizing import size_model
+from kvcluster.sizing import cache_tensor_bytes, size_model
 
 CONTEXT = 21  # longer than the tiny sliding window (8) so windows are exercised
 
@@ -55,17 +55,6 @@ def tiny_config(name: str) -> dict:
     return out
 
 
-def cached_bytes(cache) -> int:
-    """Bytes of every tensor a transformers cache holds (K/V, latent, conv and recurrent state)."""
-    total = 0
-    for layer in cache.layers:
-        for attr in ("keys", "values", "conv_states", "recurrent_states"):
-            value = getattr(layer, attr, None)
-            parts = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
-            total += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
-    return total
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_bytes_equal_transformers_cache(name: str) -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -79,7 +68,7 @@ def test_engine_bytes_equal_transformers_cache(name: str) -> None:
         out = model(input_ids=ids, use_cache=True)
     cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
     report = size_model(spec, dtype="fp32", context=CONTEXT)
-    assert report.bytes_per_sequence == cached_bytes(cache), (name, [l.kind for l in spec.layers])
+    assert report.bytes_per_sequence == cache_tensor_bytes(cache), (name, [l.kind for l in spec.layers])
 
 
 def test_mla_is_sized_as_latent_as_transformers_keeps_it() -> None:
