@@ -14,11 +14,9 @@ compiled/plain ratio; a bare no-op actor call is the reference for Ray's floor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(64 << 20))
@@ -26,6 +24,7 @@ os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "5")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from harness import JsonOutput, timings  # noqa: E402
 from ray.dag import InputNode  # noqa: E402
 
 from kvcluster.block_index import BlockIndex  # noqa: E402
@@ -58,15 +57,6 @@ class Tier:
         return np.concatenate([g for g in got if g is not None]) if keys else np.empty(0, np.uint8)
 
 
-def timed(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def summary(lat: list[float]) -> dict:
     return {"req_per_s": len(lat) / sum(lat), "p50_ms": 1e3 * statistics.median(lat),
             "p99_ms": 1e3 * sorted(lat)[int(0.99 * (len(lat) - 1))]}
@@ -79,6 +69,7 @@ def main() -> int:
     parser.add_argument("--block-kib", type=int, default=128, help="payload per block (128 KiB: tiny-llama, 16 tokens)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 << 20,
@@ -100,16 +91,16 @@ def main() -> int:
 
     noop = lambda: ray.get(index.noop.remote(1))  # noqa: E731
     for fn in (plain, cgraph, noop):  # warm up
-        timed(fn, 20)
-    results = {"plain": summary(timed(plain, args.requests)), "compiled": summary(timed(cgraph, args.requests)),
-               "noop_call": summary(timed(noop, args.requests))}
+        timings(fn, 20)
+    results = {"plain": summary(timings(plain, args.requests)), "compiled": summary(timings(cgraph, args.requests)),
+               "noop_call": summary(timings(noop, args.requests))}
     compiled.teardown()
     ray.shutdown()
     ratio = results["compiled"]["req_per_s"] / results["plain"]["req_per_s"]
     report = {"requests": args.requests, "blocks": args.blocks, "bytes_per_request": expect, **results,
               "compiled_vs_plain": ratio}
-    if args.json:
-        print(json.dumps(report))
+    if out.enabled:
+        out.emit(report)
         return 0
     print(f"{args.requests} requests, {args.blocks} blocks x {args.block_kib} KiB = {expect / 2**20:.1f} MiB each")
     print("| path | req/s | p50 ms | p99 ms |\n|---|---|---|---|")

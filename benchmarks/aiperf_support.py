@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import JsonOutput  # noqa: E402
 from kvcluster.cli import positive_int  # noqa: E402
 from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.tokenizer import tokenizer_dir  # noqa: E402
@@ -107,9 +108,10 @@ def main() -> int:
                           "mooncake": str(mooncake_slice(args.out, args.records, args.scale, args.max_output)),
                           "block_size": 512 // args.scale}))
         return 0
+    out = JsonOutput(args.json)
     result = summary(args.out)
-    if args.json:
-        print(json.dumps(result))
+    if out.enabled:
+        out.emit(result)
         return 0
     for name, p in result["phases"].items():
         ms = {k: "-" if p[k] is None else f"{p[k]:.0f}" for k in ("ttft_ms_p50", "latency_ms_p50", "latency_ms_p99")}

@@ -12,29 +12,18 @@ checksum pass, and a copy followed by xxh3-64 (what the tiers did before). Also
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
 
 import numpy as np
 import xxhash
+from harness import JsonOutput, best_interleaved
 
 from kvcluster.cli import positive_int
 from kvcluster.storage import copyhash
 
 BLOCK = 2 << 20
 BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
-
-
-def best_of(fns: dict, repeat: int) -> dict[str, float]:
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def copy_variants(src: list[np.ndarray], dst: list[np.ndarray]) -> dict:
@@ -67,6 +56,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeat", type=positive_int, default=50)
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     rows, tmp = [], tempfile.mkdtemp(prefix="kvc-sum-")
     for total in BATCHES:
         block = min(total, BLOCK)
@@ -77,12 +67,13 @@ def main() -> int:
             paths.append(os.path.join(tmp, f"b{total}-{i}"))
             with open(paths[-1], "wb") as f:
                 f.write(s.tobytes())
-        t = best_of({**copy_variants(src, dst), **read_variants(paths, dst)}, args.repeat)
+        # the same order every round, as every figure of this kernel so far was measured
+        t = best_interleaved({**copy_variants(src, dst), **read_variants(paths, dst)}, args.repeat, rotate=False)
         rows.append({"batch_bytes": total, "copy_us": t["copy"] * 1e6,
                      **{f"{k}_vs_copy": t["copy"] / t[k] for k in ("fused", "copy_then_sum", "copy_then_xxh3")},
                      "preadv_us": t["preadv"] * 1e6, "pread_hash_vs_preadv": t["preadv"] / t["pread_hash"]})
-    if args.json:
-        print(json.dumps({"kernel": copyhash.KERNEL, "rows": rows}))
+    if out.enabled:
+        out.emit({"kernel": copyhash.KERNEL, "rows": rows})
         return 0
     print(f"checksum kernel: {copyhash.KERNEL}")
     print("| batch | copy us | fused copy+sum / copy | copy, then sum | copy, then xxh3 | preadv us | pread_hash / preadv |")

@@ -17,15 +17,14 @@ not an RDMA NIC.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from harness import JsonOutput, best_of  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
@@ -60,18 +59,6 @@ class Blob:
         return self.data
 
 
-def best(fn, repeat: int, setup=None) -> float:
-    """Best of `repeat` timed calls; `setup` runs untimed before each."""
-    times = []
-    for _ in range(repeat):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=positive_int, default=32)
@@ -79,6 +66,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvn", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     node_args = {"num_cpus": 1, "object_store_memory": 256 << 20}
@@ -117,12 +105,12 @@ def main() -> int:
         ray.get(mover.pull_raw.remote(blob))
         assert all(ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)))  # warm-up of the tier-to-tier NIXL pull
         moved = args.blocks * size
-        t_nixl = best(lambda: ray.get(read_on_b.remote(rdma_b, keys)), args.repeat)
+        t_nixl = best_of(lambda: ray.get(read_on_b.remote(rdma_b, keys)), args.repeat)
         # B must not hold the blocks already (a pull skips what is there): drop them, untimed, before each pull
-        t_pull = best(lambda: ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)), args.repeat,
-                      setup=lambda: ray.get(dram_b.delete.remote(keys)))
-        t_obj = best(lambda: ray.get(mover.pull_objects.remote(dram_a, keys)), args.repeat)
-        t_raw = best(lambda: ray.get(mover.pull_raw.remote(blob)), args.repeat)
+        t_pull = best_of(lambda: ray.get(dram_b.pull.remote("kvcluster/a/dram", keys)), args.repeat,
+                         setup=lambda: ray.get(dram_b.delete.remote(keys)))
+        t_obj = best_of(lambda: ray.get(mover.pull_objects.remote(dram_a, keys)), args.repeat)
+        t_raw = best_of(lambda: ray.get(mover.pull_raw.remote(blob)), args.repeat)
     finally:
         ray.shutdown()
         c.shutdown()
@@ -130,8 +118,8 @@ def main() -> int:
     report = {"bytes": moved, "blocks": args.blocks, "nixl_gbps": gbs(t_nixl), "tier_pull_nixl_gbps": gbs(t_pull),
               "object_store_gbps": gbs(t_obj), "raw_ray_object_gbps": gbs(t_raw), "nixl_vs_raw": t_raw / t_nixl,
               "tier_pull_vs_raw": t_raw / t_pull, "object_store_vs_raw": t_raw / t_obj}
-    if args.json:
-        print(json.dumps(report))
+    if out.enabled:
+        out.emit(report)
         return 0
     print(f"{args.blocks} blocks x {args.block_kib} KiB = {moved / 2**20:.0f} MiB from node A to node B, best of {args.repeat}")
     print("| path | GB/s | vs one raw Ray object |\n|---|---|---|")

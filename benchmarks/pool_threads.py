@@ -11,11 +11,10 @@ through a thread pool.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from harness import JsonOutput, best_of
 
 from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
@@ -26,20 +25,12 @@ BLOCK = 2 << 20
 BATCHES = [4 << 20, 16 << 20, 64 << 20]
 
 
-def best_s(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeat", type=positive_int, default=30)
     args = parser.parse_args()
+    json_out = JsonOutput(args.json)
     rows = []
     for total in BATCHES:
         n = total // BLOCK
@@ -52,20 +43,20 @@ def main() -> int:
             for b, o in zip(blocks, out):
                 np.copyto(o, b)
 
-        row = {"batch_bytes": total, "copy_us": best_s(copy, args.repeat) * 1e6,
-               "hash_us": best_s(lambda: [checksum(b) for b in blocks], args.repeat) * 1e6}
+        row = {"batch_bytes": total, "copy_us": best_of(copy, args.repeat) * 1e6,
+               "hash_us": best_of(lambda: [checksum(b) for b in blocks], args.repeat) * 1e6}
         for workers in (1, 2):
             pool = dram_backend(n, BLOCK)
             pool._workers.workers = workers
             pool.put_many(items)
-            ref = best_s(copy, args.repeat)
-            row[f"put_vs_copy_w{workers}"] = ref / best_s(lambda: pool.put_many(items), args.repeat)
-            row[f"get_vs_copy_w{workers}"] = ref / best_s(lambda: pool.get_many(keys, out), args.repeat)
+            ref = best_of(copy, args.repeat)
+            row[f"put_vs_copy_w{workers}"] = ref / best_of(lambda: pool.put_many(items), args.repeat)
+            row[f"get_vs_copy_w{workers}"] = ref / best_of(lambda: pool.get_many(keys, out), args.repeat)
         rows.append(row)
     with ThreadPoolExecutor(1) as ex:
-        handoff_us = best_s(lambda: ex.submit(lambda: None).result(), args.repeat * 3) * 1e6
-    if args.json:
-        print(json.dumps({"rows": rows, "thread_handoff_us": handoff_us}))
+        handoff_us = best_of(lambda: ex.submit(lambda: None).result(), args.repeat * 3) * 1e6
+    if json_out.enabled:
+        json_out.emit({"rows": rows, "thread_handoff_us": handoff_us})
         return 0
     print(f"one no-op thread-pool round trip: {handoff_us:.0f} us")
     print("| batch | copy us | checksum us | put/copy 1 thread | 2 threads | get/copy 1 thread | 2 threads |")

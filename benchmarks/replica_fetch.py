@@ -13,7 +13,6 @@ alternate, best and median of `--repeat` each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -21,6 +20,7 @@ import time
 
 import numpy as np
 import ray
+from harness import Case, JsonOutput, best_of, interleaved
 
 from kvcluster.cli import positive_int
 
@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=positive_int, default=15)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvf", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvcluster")
@@ -64,26 +65,28 @@ def main() -> int:
 
         stores = {"nixl": ClusterBlockStore(empty_hbm(), "n0", ["dram"], nixl_staging_bytes=max(32 << 20, 8 * size)),
                   "object_store": ClusterBlockStore(empty_hbm(), "n0", ["dram"], nixl_staging_bytes=None)}
-        times: dict[str, list[float]] = {name: [] for name in stores}
         deadline = time.monotonic() + 30
         while any(len(s.fetch(keys, list(landing))) < n for s in stores.values()):  # warm: NIXL metadata, index
             assert time.monotonic() < deadline, "the index never listed every block"
             for s in stores.values():
                 s.hbm = empty_hbm()
             time.sleep(0.2)
-        for _ in range(args.repeat):
-            for name, store in stores.items():
-                store.hbm = empty_hbm()  # every fetch comes from the dram tier, promotion into hbm included
-                t0 = time.perf_counter()
-                got = store.fetch(keys, list(landing))
-                times[name].append(time.perf_counter() - t0)
-                assert len(got) == n and all(np.array_equal(g, d) for g, d in ((got[0], data[0]), (got[-1], data[-1])))
+
+        def fetched(got: list) -> None:
+            assert len(got) == n and all(np.array_equal(g, d) for g, d in ((got[0], data[0]), (got[-1], data[-1])))
+
+        def fetch_case(store: ClusterBlockStore) -> Case:
+            def setup() -> None:  # every fetch comes from the dram tier, promotion into hbm included
+                store.hbm = empty_hbm()
+            return Case(lambda: store.fetch(keys, list(landing)), setup, fetched)
+
+        times = interleaved({name: fetch_case(store) for name, store in stores.items()}, args.repeat, rotate=False)
         noop = Noop.remote()
         ray.get(noop.ping.remote())
-        noop_s = min(_timed(lambda: ray.get(noop.ping.remote())) for _ in range(args.repeat))
+        noop_s = best_of(lambda: ray.get(noop.ping.remote()), args.repeat)
         pool = dram_backend(n, size)
         pool.put_many(list(zip(keys, data)))
-        local_s = min(_timed(lambda: pool.get_many(keys, list(landing))) for _ in range(args.repeat))
+        local_s = best_of(lambda: pool.get_many(keys, list(landing)), args.repeat)
         assert stores["nixl"].counters["nixl_blocks"] >= n * args.repeat
     finally:
         ray.shutdown()
@@ -92,8 +95,8 @@ def main() -> int:
         report[f"{name}_best_ms"] = min(ts) * 1e3
         report[f"{name}_p50_ms"] = statistics.median(ts) * 1e3
     report["object_store_over_nixl_p50"] = report["object_store_p50_ms"] / report["nixl_p50_ms"]
-    if args.json:
-        print(json.dumps(report))
+    if out.enabled:
+        out.emit(report)
         return 0
     print(f"{n} blocks x {args.block_kib} KiB = {n * size / 2**20:.1f} MiB from the node's dram tier actor")
     print("| path | best ms | p50 ms |\n|---|---|---|")
@@ -103,12 +106,6 @@ def main() -> int:
     print(f"| reference: one no-op actor call | {report['noop_call_ms']:.2f} | |")
     print(f"object store / NIXL at p50: {report['object_store_over_nixl_p50']:.2f}x")
     return 0
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ forwards).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
+from harness import JsonOutput, timings
 
 from kvcluster.paths import shared_data_dir
 from kvcluster.serving.block_store import LocalBlockStore
@@ -93,11 +93,7 @@ def bench_hit_overhead(loaded, repeat: int, prefixes=(256, 1024, 1984)) -> list[
                 times.append(gen.fetch_s)
             nbytes = n // 16 * runner.layout.nbytes()
             src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-            copies = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                np.copyto(dst, src)
-                copies.append(time.perf_counter() - t0)
+            copies = timings(lambda: np.copyto(dst, src), repeat)  # noqa: B023 - called at once
             rows.append({"tier": tier, "cached_tokens": n, "bytes": nbytes, "p50_ms": pct(times, 50) * 1e3,
                          "p99_ms": pct(times, 99) * 1e3, "memcpy_p50_ms": pct(copies, 50) * 1e3,
                          "vs_memcpy": pct(times, 50) / pct(copies, 50), "goal_p50_ms": 1.0})
@@ -155,14 +151,15 @@ def main() -> None:
     parser.add_argument("--model", default="kvcluster-tiny-llama")
     parser.add_argument("--skip-replay", action="store_true")
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     loaded = load_model(args.model)
     report = {"model": args.model, "torch_threads": torch.get_num_threads(),
               "ttft": bench_ttft(loaded, args.repeat), "hit_overhead": bench_hit_overhead(loaded, 4 * args.repeat)}
     if not args.skip_replay:
         report["replay"] = [bench_replay(loaded, d, args.replay_requests, args.max_new_tokens)
                             for d in ("sharegpt", "swe-agent")]
-    if args.json:
-        print(json.dumps(report, indent=1))
+    if out.enabled:
+        out.emit(report, indent=1)
         return
     t = report["ttft"]
     print(f"ttft 2k prompt, 1,984 cached in dram: cold {t['cold_ttft_s_p50']*1e3:.0f} ms, cached "

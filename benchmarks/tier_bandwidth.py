@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import Case, JsonOutput, best_interleaved
 
 from kvcluster.cli import positive_int
 from kvcluster.keys import KeySpace
@@ -42,29 +41,6 @@ BACKENDS = ("hbm", "dram", "cxl", "nvme", "pfs", "rdma")
 # payloads come from and go to the Ray object store): the staging copy's price against the same raw transfer
 EXTRA = ("rdma-staged",)
 BLOCK = MAX_BLOCK  # set per batch: min(batch, MAX_BLOCK)
-
-
-def interleaved(pairs: list[tuple], repeat: int) -> list[float]:
-    """Best time of each (fn, setup) pair, the pairs run in turn each round.
-
-    Running backend and reference alternately (not one after the other) lets both
-    see the same moments of this shared VM, whose bandwidth swings 2x within seconds.
-    Each round starts one pair later, so none always runs right after the same other
-    one (which warms or cools the caches it uses): a fixed order had put the same
-    copy 15-20% apart depending on its place. `setup` runs untimed before its fn
-    (pfs: remove the files the last put wrote).
-    """
-    best = [float("inf")] * len(pairs)
-    for round_ in range(repeat):
-        for j in range(len(pairs)):
-            i = (round_ + j) % len(pairs)
-            fn, setup = pairs[i]
-            if setup is not None:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def ref_copy(blocks: list[np.ndarray], out: list[np.ndarray]):
@@ -181,15 +157,16 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     fresh = (lambda: backend.delete(keys)) if name == "pfs" else None
     backend.put_many(items)  # warm: slots faulted in, files and directories exist
     ref_put()
-    put_s, demote_s, rput_s = interleaved([(lambda: backend.put_many(items), fresh),
-                                           (lambda: backend.put_many(items, digests), fresh),
-                                           (ref_put, getattr(ref_put, "setup", None))], repeat)
+    # backend and reference in turn each round (the order rotating), so both see the same moments of the machine
+    puts = best_interleaved({"put": Case(lambda: backend.put_many(items), fresh),
+                             "demote": Case(lambda: backend.put_many(items, digests), fresh),
+                             "ref_put": Case(ref_put, getattr(ref_put, "setup", None))}, repeat)
     backend.put_many(items)
-    get_s, rget_s = interleaved([(lambda: backend.get_many(keys, out), None), (ref_get, None)], repeat)
+    gets = best_interleaved({"get": lambda: backend.get_many(keys, out), "ref_get": ref_get}, repeat)
     if any(g is None for g in backend.get_many(keys, out)):
         raise SystemExit(f"{name}: blocks were lost during the run; its figures are void")
-    trial = {"medium": backend.medium, "emulated": backend.emulated, "put_s": put_s, "demote_s": demote_s,
-             "ref_put_s": rput_s, "get_s": get_s, "ref_get_s": rget_s}
+    trial = {"medium": backend.medium, "emulated": backend.emulated, "put_s": puts["put"], "demote_s": puts["demote"],
+             "ref_put_s": puts["ref_put"], "get_s": gets["get"], "ref_get_s": gets["ref_get"]}
     if hasattr(backend, "close"):
         backend.close()
     shutil.rmtree(sub, ignore_errors=True)  # this trial's slab and files: up to 4x the batch on disk
@@ -228,6 +205,7 @@ def main() -> int:
     parser.add_argument("--batches-kib", default=",".join(str(b >> 10) for b in BATCHES),
                         help="comma-separated batch sizes in KiB")
     args = parser.parse_args()
+    out = JsonOutput(args.json)
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(wanted) - set(BACKENDS + EXTRA))
     if unknown or not wanted:
@@ -247,8 +225,8 @@ def main() -> int:
         for name in (name for name in BACKENDS + EXTRA if name in wanted):
             trials = [measure(name, nbytes, root / f"b{nbytes}-t{t}", space, args.repeat) for t in range(args.trials)]
             rows.append(summarize(name, nbytes, trials))
-    if args.json:
-        print(json.dumps(rows))
+    if out.enabled:
+        out.emit(rows)
         return 0
     print("| backend | batch | block | put GB/s | demote GB/s | ref | put/ref | demote/ref | get GB/s | ref | get/ref "
           "| get us/block |")
