@@ -70,7 +70,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         while ray.get(index.longest_prefix.remote(keys)).length < 8 and time.monotonic() < deadline:
             time.sleep(0.2)  # the write-through is fire-and-forget
         before = ray.get(predictor.snapshot.remote())
-        assert before.version > 0
+        assert before.version > 0  # a bound: it counts update batches (replica and tier events), grouped by timing
         tool_fork = pair_index(BlockType.TOOL, TransitionType.FORK)
         assert (before.alpha[tool_fork], before.beta[tool_fork]) == (1.0, 7.0)  # the YAML's priors, untouched pair
         assert before.alpha[pair_index(BlockType.OUTPUT, TransitionType.FORK)] == 3.0

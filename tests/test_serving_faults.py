@@ -155,6 +155,7 @@ def test_saturation_sheds_with_503_and_retry_after(endpoint, expected):
     with cf.ThreadPoolExecutor(3 * INFLIGHT_LIMIT) as pool:
         results = list(pool.map(lambda p: (p, *ask(endpoint, p)), PROMPTS * (3 * INFLIGHT_LIMIT // 4)))
     codes = [r[1] for r in results]
+    # bounds: how many of the concurrent requests find a free slot depends on when each finishes
     assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= INFLIGHT_LIMIT
     for prompt, code, text, headers in results:
         if code == 503:
