@@ -106,8 +106,8 @@ def test_an_identical_replay_reuses_every_usable_prompt_block(tmp_path):
         # a bound: how many blocks the controller demotes (rather than a full tier handing them down) is timing
         assert totals.get("demote", 0) > 0, totals  # the replay did go through the demotion path
         assert all(s.get("corrupt", 0) == 0 for s in stats.values()), stats
-        assert cached == sum(len(k) * 16 for k in usable), (cached, total, totals,
-                                                             {t: (s["puts"], s["put_failures"]) for t, s in stats.items()})
+        writes = {t: (s["puts"], s["put_failures"]) for t, s in stats.items()}
+        assert cached == sum(len(k) * 16 for k in usable), (cached, total, totals, writes)
         down(cfg)
     finally:
         ray.shutdown()
