@@ -1,10 +1,11 @@
-"""The cluster's control plane as one actor: the cache manager, and the mover that carries out its plans.
+"""The cluster's control plane as one actor: a cache manager per node, and the mover that runs their plans.
 
-It holds the very `ControlPlane` a replica runs over its own tiers and the simulator's
-hierarchy runs inside, bound here to tier actors (`ActorTierIO`): every round of a
-plan is one call per tier actor involved, issued together. Plans run one at a time,
-in the order the manager issued them (a plan's sources are where the previous one
-left the blocks), so the manager's view and the tiers' bytes agree after each call.
+It holds `NodeCaches` (the managers, built by the simulator's own `build_hierarchy`)
+bound to tier actors (`ActorTierIO`): every round of a plan is one call per tier
+actor involved, issued together. Plans run one at a time, in the order they were
+issued (a plan's sources are where the previous one left the blocks), so the
+managers' view and the tiers' bytes agree after each call. Replicas commit their
+requests here in one fire-and-forget call; the tiers make room only on its decisions.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import ray
 
-from kvcluster.cache_manager import CacheManager
-from kvcluster.control_plane import ControlPlane
+from kvcluster.cluster_control import NodeCaches
 from kvcluster.policies.base import RequestContext
 from kvcluster.simulator import TierPlan
 
-CONTROL_NAME = "kvcluster/control"
+CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
 CALL_TIMEOUT_S = 120.0
 
 
@@ -46,28 +46,61 @@ class ActorTierIO:
                              for t, (ks, ps, ds) in items.items()})
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ControlPlaneActor:
-    def __init__(self, tiers: list[tuple[str, str, int]], policy: str, policy_options: dict | None = None) -> None:
-        """`tiers`: (label, tier actor name, capacity in blocks), fastest first."""
+    def __init__(self, chains: dict[str, list[tuple[str, str, int]]], policy: str,
+                 policy_options: dict | None = None) -> None:
+        """`chains[node]`: that node's hierarchy as (label, tier actor name, capacity in blocks), fastest
+        first. On a restart it rebuilds its view from what the tier actors hold."""
         from .index_actor import NAMESPACE
 
-        self.labels = [label for label, _, _ in tiers]
-        actors = [ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in tiers]
-        self.manager = CacheManager([TierPlan(label, cap) for label, _, cap in tiers], policy,
-                                    policy_options=policy_options)
-        self.plane = ControlPlane(self.manager, ActorTierIO(actors))
+        self.policy = policy
+        self.labels = {node: [label for label, _, _ in chain] for node, chain in chains.items()}
+        io = {node: ActorTierIO([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain])
+              for node, chain in chains.items()}
+        plans = {node: [TierPlan(label, cap) for label, _, cap in chain] for node, chain in chains.items()}
+        self.caches = NodeCaches(plans, io, policy, policy_options)
         self.requests = 0
+        self.adopted = self._adopt(io)
 
-    def serve(self, keys: list[bytes], payloads: list[np.ndarray], ctx: RequestContext | None = None
-              ) -> tuple[list[int], list[np.ndarray]]:
-        """One request: the verified cached run (tier index and bytes of each block), then its placement,
-        with `payloads[j]` standing in for block j's computed KV past the run."""
+    def _adopt(self, io: dict[str, ActorTierIO]) -> int:
+        """Blocks the tiers already hold (from before a restart): back into the bookkeeping; what the policy
+        cannot keep is deleted, so the tiers hold exactly what the managers say."""
+        adopted = 0
+        for node, tier_io in io.items():
+            held = ray.get([a.held_keys.remote() for a in tier_io.actors], timeout=CALL_TIMEOUT_S)
+            for tier, keys in enumerate(held):
+                if not keys:
+                    continue
+                extra = self.caches.adopt(node, tier, keys)
+                if extra:
+                    tier_io.delete({tier: extra})
+                adopted += len(keys) - len(extra)
+        return adopted
+
+    def commit(self, node: str, keys: list[bytes], payloads: list[np.ndarray | None],
+               ctx: RequestContext | None = None) -> int:
+        """A replica on `node` served a request: `payloads[j]` is block j's KV when it computed it (None
+        when it read it). Places the request and moves the bytes; returns the blocks that failed."""
         self.requests += 1
-        got = self.plane.serve(keys, dict(zip(keys, payloads)), ctx)
-        self.manager.drain_events()
+        held = {k: (p, None) for k, p in zip(keys, payloads) if p is not None}
+        _, failed = self.caches.commit(node, keys, held, ctx)
+        self.caches.managers[node].drain_events()
+        return len(failed)
+
+    def serve(self, node: str, keys: list[bytes], payloads: list[np.ndarray], ctx: RequestContext | None = None
+              ) -> tuple[list[int], list[np.ndarray]]:
+        """A replay's request: the verified cached run on `node` (tier index and bytes of each block), then
+        its placement, with `payloads[j]` standing in for block j's computed KV past the run."""
+        self.requests += 1
+        got = self.caches.fetch(node, keys)
+        n = len(got.payloads)
+        held = {k: (p, d) for k, p, d in zip(keys, got.payloads, got.digests)}
+        held.update((k, (p, None)) for k, p in zip(keys[n:], payloads[n:]) if k not in held)
+        self.caches.commit(node, keys, held, ctx)
+        self.caches.managers[node].drain_events()
         return list(got.tiers), list(got.payloads)
 
     def stats(self) -> dict:
-        return {"tiers": self.labels, "occupancy": self.manager.occupancy(), "counters": self.manager.counters(),
-                "tracked_blocks": self.manager.tracked(), "requests": self.requests}
+        return {"policy": self.policy, "tiers": self.labels, "requests": self.requests, "adopted": self.adopted,
+                **self.caches.stats()}

@@ -1,10 +1,11 @@
 """`kvcluster replay TRACE --live`: a trace through real tier actors and the cluster's control plane.
 
-The cluster YAML gives the tiers (every node's, ordered fastest first; a shared pfs
-directory once); each becomes a real tier actor with its real backend (memory pool,
-nvme slab, pfs files) under a scratch directory, sized to the replay's capacities in
-blocks of `block_bytes` (small blocks keep the bytes moved modest). The control plane
-actor runs the policy over them, and the driver sends each request's blocks, with
+The cluster YAML's first node gives the tiers (its hierarchy, as the control plane
+runs it: fastest first, ending in its share of pfs); each becomes a real tier actor
+with its real backend (memory pool, nvme slab, pfs files) under a scratch directory,
+sized to the replay's capacities in blocks of `block_bytes` (small blocks keep the
+bytes moved modest). The control plane actor, the one a cluster runs, places every
+request with the policy, and the driver sends each request's blocks, with
 stand-in KV bytes derived from the block id, in one call. A hit counts only when its
 bytes come back from a tier and equal what was stored, so the live hit rates are
 measured on bytes, not read off the bookkeeping; the simulator's figures for the same
@@ -22,10 +23,10 @@ from typing import Callable
 import numpy as np
 import ray
 
-from kvcluster.cluster_config import ClusterConfig, NodeEntry, TierEntry, load_cluster_config
+from kvcluster.cluster_config import ClusterConfig, load_cluster_config
+from kvcluster.cluster_control import node_chains
 from kvcluster.errors import ConfigError
 from kvcluster.simulator import PreparedTrace, ReplayResult, TierPlan, replay, request_context
-from kvcluster.tiers import TIER_ORDER
 
 from .cluster import node_ids
 from .control_plane_actor import ControlPlaneActor
@@ -34,23 +35,6 @@ from .index_actor import INDEX_NAME, NAMESPACE, IndexActor
 from .tier_actor import TierActorConfig, actor_name
 
 DEFAULT_BLOCK_BYTES = 4096
-
-
-def hierarchy_tiers(cfg: ClusterConfig) -> list[tuple[NodeEntry, TierEntry]]:
-    """The cluster's tiers as one hierarchy: by speed (dram, cxl, nvme, pfs), nodes in config order
-    within a kind; a pfs directory shared by several nodes is one tier."""
-    out, shared = [], set()
-    for kind in TIER_ORDER:
-        for node in cfg.nodes:
-            for tier in node.tiers:
-                if tier.tier != kind:
-                    continue
-                if kind == "pfs":
-                    if tier.path in shared:
-                        continue
-                    shared.add(tier.path)
-                out.append((node, tier))
-    return out
 
 
 def block_key(block: int) -> bytes:
@@ -68,12 +52,13 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                 progress: Callable[[int], None] | None = None) -> dict:
     """Replay `trace` through the live control plane; returns the live result and the simulated one."""
     cfg = cluster if isinstance(cluster, ClusterConfig) else load_cluster_config(cluster)
-    tiers = hierarchy_tiers(cfg)
-    labels = [f"{node.name}/{tier.tier}" for node, tier in tiers]
+    node = cfg.nodes[0]
+    chain = node_chains(cfg)[node.name]
+    labels = [t.label for t in chain]
     if capacities is None:
-        capacities = [cfg.slots(tier) for _, tier in tiers]
-    if len(capacities) != len(tiers):
-        raise ConfigError(f"capacity: give one value per tier of the cluster ({', '.join(labels)}), "
+        capacities = [t.capacity_blocks for t in chain]
+    if len(capacities) != len(chain):
+        raise ConfigError(f"capacity: give one value per tier of node {node.name} ({', '.join(labels)}), "
                           f"got {len(capacities)}")
     if any(c < 1 for c in capacities):
         raise ConfigError("capacity: every live tier needs room for at least one block")
@@ -86,20 +71,19 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
     started = []
     try:
         pinned = node_ids(cfg)
-        missing = sorted({node.name for node, _ in tiers} - set(pinned))
-        if missing:
-            raise ConfigError(f"nodes: no live Ray node for {', '.join(missing)} (their ray_resource is absent)")
+        if node.name not in pinned:
+            raise ConfigError(f"nodes: no live Ray node for {node.name} (its ray_resource is absent)")
         started.append(IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote())
-        for (node, tier), cap in zip(tiers, capacities):
-            path = None if tier.tier in ("dram", "cxl") else str(scratch / f"{node.name}-{tier.tier}")
-            tc = TierActorConfig(node=node.name, tier=tier.tier, slots=cap, slot_bytes=block_bytes, path=path)
+        for t, cap in zip(chain, capacities):
+            path = None if t.tier.tier in ("dram", "cxl") else str(scratch / t.tier.tier)
+            tc = TierActorConfig(node=node.name, tier=t.tier.tier, slots=cap, slot_bytes=block_bytes, path=path)
             started.append(start_tier_actor(tc, pinned[node.name]))
         ray.get([a.describe.remote() for a in started[1:]], timeout=120)
         control = ControlPlaneActor.remote(
-            [(label, actor_name(node.name, tier.tier), cap) for label, (node, tier), cap in
-             zip(labels, tiers, capacities)], policy)
+            {node.name: [(t.label, actor_name(node.name, t.tier.tier), cap) for t, cap in zip(chain, capacities)]},
+            policy)
         started.append(control)
-        live = _drive(trace, control, len(tiers), block_bytes, progress)
+        live = _drive(trace, control, node.name, len(chain), block_bytes, progress)
         stats = ray.get(control.stats.remote(), timeout=60)
     finally:
         for actor in started:
@@ -110,7 +94,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
     plan = [TierPlan(label, cap) for label, cap in zip(labels, capacities)]
     hits, wrong, seconds = live
     refs = trace.block_refs
-    evictions = [c["evictions"] for c in stats["counters"]]
+    evictions = [c["evictions"] for c in stats["nodes"][node.name]["counters"]]
     result = ReplayResult(
         policy=policy, capacity_blocks=sum(capacities),
         tiers=[{"name": t.name, "capacity_blocks": t.capacity_blocks, "hits": h, "hit_rate": h / max(1, refs),
@@ -125,7 +109,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                                 + [abs(a["hit_rate"] - b["hit_rate"]) for a, b in zip(result.tiers, simulated.tiers)])}
 
 
-def _drive(trace: PreparedTrace, control, n_tiers: int, block_bytes: int,
+def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: int,
            progress: Callable[[int], None] | None) -> tuple[list[int], int, float]:
     """One call per request; count the hits whose bytes are right, per tier."""
     hits = [0] * n_tiers
@@ -133,7 +117,7 @@ def _drive(trace: PreparedTrace, control, n_tiers: int, block_bytes: int,
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
         keys = [block_key(b) for b in blocks]
-        tiers, payloads = ray.get(control.serve.remote(keys, [block_payload(k, block_bytes) for k in keys],
+        tiers, payloads = ray.get(control.serve.remote(node, keys, [block_payload(k, block_bytes) for k in keys],
                                                        request_context(trace, i)), timeout=300)
         for key, tier, data in zip(keys, tiers, payloads):
             if np.array_equal(data, block_payload(key, block_bytes)):

@@ -37,6 +37,9 @@ class ChainTier:
     def label(self) -> str:
         return f"{self.node}/{self.tier.tier}"
 
+    def plan(self) -> TierPlan:
+        return TierPlan(self.label, self.capacity_blocks)
+
 
 def node_chains(cfg: ClusterConfig, slots: Mapping[tuple[str, str], int] | None = None) -> dict[str, list[ChainTier]]:
     """Each node's tiers, fastest first, with the capacity its hierarchy may use. `slots[(node, tier)]`
@@ -58,12 +61,12 @@ def node_chains(cfg: ClusterConfig, slots: Mapping[tuple[str, str], int] | None 
 
 
 class NodeCaches:
-    def __init__(self, chains: Mapping[str, Sequence[ChainTier]], io: Mapping[str, TierIO], policy: str,
+    def __init__(self, chains: Mapping[str, Sequence[TierPlan]], io: Mapping[str, TierIO], policy: str,
                  policy_options: dict | None = None) -> None:
+        """`chains[node]`: that node's tiers, fastest first (`ChainTier.plan()` of `node_chains`)."""
         self.chains = {node: list(chain) for node, chain in chains.items()}
         self.io = dict(io)
-        self.managers = {node: CacheManager([TierPlan(t.label, t.capacity_blocks) for t in chain], policy,
-                                            policy_options=policy_options)
+        self.managers = {node: CacheManager(chain, policy, policy_options=policy_options)
                          for node, chain in self.chains.items()}
         self.planes = {node: ControlPlane(m, self.io[node]) for node, m in self.managers.items()}
         self.totals: Counter = Counter()

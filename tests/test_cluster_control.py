@@ -29,7 +29,7 @@ def test_chains_run_fastest_first_and_split_a_shared_pfs() -> None:
 def make(policy: str = "lru"):
     chains = node_chains(two_nodes(), {("a", "dram"): 2, ("a", "pfs"): 8, ("b", "dram"): 2, ("b", "pfs"): 8})
     io = {node: DictTiers([t.capacity_blocks for t in chain]) for node, chain in chains.items()}
-    return NodeCaches(chains, io, policy), io
+    return NodeCaches({node: [t.plan() for t in chain] for node, chain in chains.items()}, io, policy), io
 
 
 def held(keys):

@@ -12,8 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from kvcluster.actors.live_replay import block_key, block_payload, hierarchy_tiers, replay_live  # noqa: E402
-from kvcluster.cluster_config import load_cluster_config  # noqa: E402
+from kvcluster.actors.live_replay import block_key, block_payload, replay_live  # noqa: E402
 from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.simulator import prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
@@ -47,16 +46,6 @@ def test_live_and_simulated_hit_rates_are_equal_per_tier(own_ray, trace, policy:
     assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
     assert out["max_abs_diff"] == 0.0
     assert [t["name"] for t in live["tiers"]] == ["n0/dram", "n0/nvme", "n0/pfs"]
-
-
-def test_the_hierarchy_orders_every_nodes_tiers_by_speed_and_counts_a_shared_pfs_once() -> None:
-    cfg = load_cluster_config("two-workers-tiny")
-    labels = [f"{node.name}/{tier.tier}" for node, tier in hierarchy_tiers(cfg)]
-    kinds = [label.split("/")[1] for label in labels]
-    assert kinds == sorted(kinds, key=["dram", "cxl", "nvme", "pfs"].index)
-    assert kinds.count("pfs") == 1
-    assert len(labels) == sum(len(n.tiers) for n in cfg.nodes) - (sum(t.tier == "pfs" for n in cfg.nodes
-                                                                     for t in n.tiers) - 1)
 
 
 def test_stand_in_bytes_differ_for_every_block() -> None:
