@@ -45,6 +45,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from harness import JsonOutput  # noqa: E402
 from ray import serve  # noqa: E402
 
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
@@ -341,10 +342,7 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
     args = parser.parse_args()
-    json_out = None
-    if args.json:  # Ray and Serve write to stdout from C++ too: only the report goes there
-        json_out = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
+    out = JsonOutput(args.json)  # Ray and Serve write to stdout from C++ too: only the report goes there
     prompt_list = prompts(args.conversations)
     reference = ModelRunner(load_model(MODEL))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -360,8 +358,8 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    if json_out is not None:
-        print(json.dumps(report, indent=1), file=json_out, flush=True)
+    if out.enabled:
+        out.emit(report, indent=1)
         return
     if "load" in report:
         print_fault_phases(report, args)
