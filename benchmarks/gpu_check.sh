@@ -10,16 +10,13 @@
 # Python: $GPU_CHECK_PYTHON, else the first of .venv/bin/python, /opt/torch/.venv/bin/python3 and python3
 # whose torch sees a CUDA device. The repo goes on PYTHONPATH; nothing is installed from a network.
 #
-# Wheels the GPU image lacks (pydantic for the runner, nixl; optionally kvikio) travel in
-# benchmarks/gpu_wheels/ (or $GPU_CHECK_WHEELS) and are installed with pip --no-index into a temp dir.
-# Fill it on a machine with a registry (large wheels are recompressed with LZMA to fit the 64 MiB carry):
+# First the machine is prepared: the wheels the GPU image lacks (pydantic for the runner, nixl; optionally
+# kvikio) travel in benchmarks/gpu_wheels/ (or $GPU_CHECK_WHEELS) and scripts/prepare_gpu_machine.py installs
+# them offline into a temp dir on PYTHONPATH. Fill that folder on a machine with a registry, then name it in
+# the device tool's carry (large wheels are recompressed with LZMA to fit the 64 MiB carry):
 #   echo /benchmarks/gpu_wheels/ >> .git/info/exclude          # never committed
-#   .venv/bin/python benchmarks/gpu_check.py --fetch-wheels benchmarks/gpu_wheels [--with-kvikio]
-# which runs: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-#   --platform manylinux_2_28_x86_64 ... pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-#   typing-inspection==0.4.5 nixl==1.5.1 nixl-cu13==1.5.1 [kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0
-#   rapids-logger==0.3.0]
-# Then name benchmarks/gpu_wheels in the device tool's carry.
+#   .venv/bin/python scripts/prepare_gpu_machine.py fetch benchmarks/gpu_wheels [--with-kvikio]
+# Then the benchmark: benchmarks/gpu_check.py with the sections in benchmarks/gpu_*.py.
 #
 # Exit status: 0 when the check ran to its end (failed sections are in the report) or there is no CUDA;
 # 124 when the hard time limit stopped it (the report holds the sections done); other: it could not start.
@@ -32,7 +29,7 @@ args=()
 for a in "$@"; do
   case "$a" in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) args+=("$a") ;;
   esac
 done
@@ -66,13 +63,11 @@ fi
 wheels="${GPU_CHECK_WHEELS:-$here/gpu_wheels}"
 if compgen -G "$wheels/*.whl" >/dev/null; then
   site="${TMPDIR:-/tmp}/kvcluster-gpu-check-site"
-  if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      "$wheels"/*.whl >"$site.log" 2>&1; then
+  if installed="$("$py" "$root/scripts/prepare_gpu_machine.py" install "$wheels" --target "$site")"; then
     export PYTHONPATH="$root:$site${PYTHONPATH#"$root"}"
-    GPU_CHECK_WHEELS_INSTALLED="$(cd "$wheels" && ls -- *.whl | tr '\n' ' ')"
-    export GPU_CHECK_WHEELS_INSTALLED
+    export GPU_CHECK_WHEELS_INSTALLED="$installed"
   else
-    echo "gpu_check: installing $wheels/*.whl failed (log: $site.log); going on without them"
+    echo "gpu_check: going on without the wheels in $wheels"
   fi
 fi
 

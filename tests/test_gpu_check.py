@@ -1,16 +1,20 @@
-"""benchmarks/gpu_check.sh: one line and exit 0 without CUDA; the dry run exercises every section on the CPU."""
+"""benchmarks/gpu_check.sh: one line and exit 0 without CUDA; the dry run exercises every section on the CPU;
+scripts/prepare_gpu_machine.py installs recompressed wheels offline."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+PREPARE = REPO / "scripts" / "prepare_gpu_machine.py"
 SECTIONS = ("hbm", "nvme", "nixl", "serving", "sizing")
 DRY_LABEL = "cpu (dry run, not a GPU result)"
 
@@ -107,7 +111,7 @@ def test_the_model_view_passes_the_cache_under_the_name_transformers_takes() -> 
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from gpu_check import RunnerModel
+        from gpu_serving import RunnerModel
     finally:
         sys.path.pop(0)
 
@@ -120,3 +124,49 @@ def test_the_model_view_passes_the_cache_under_the_name_transformers_takes() -> 
     assert view.cache_kwarg == "past_key_values"
     assert view(input_ids=torch.zeros(1, 2, dtype=torch.long), past_key_values=cache)[1] is cache
     assert view(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache, use_cache=True)[1:] == (cache, {})
+
+
+def probe_wheel(directory: Path) -> Path:
+    """A one-module wheel (`kvc_probe.VALUE == 7`), stored uncompressed as a downloaded wheel may be."""
+    wheel = directory / "kvc_probe-1.0-py3-none-any.whl"
+    info = "kvc_probe-1.0.dist-info"
+    files = {"kvc_probe.py": "VALUE = 7\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: kvc-probe\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
+def test_a_recompressed_wheel_keeps_its_files_and_installs_offline(tmp_path: Path) -> None:
+    sys.path.insert(0, str(PREPARE.parent))
+    try:
+        from prepare_gpu_machine import recompress
+    finally:
+        sys.path.pop(0)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel = probe_wheel(wheels)
+    with zipfile.ZipFile(wheel) as z:
+        before = {i.filename: z.read(i) for i in z.infolist()}
+    recompress(wheel)
+    with zipfile.ZipFile(wheel) as z:
+        assert {i.filename: z.read(i) for i in z.infolist()} == before
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_LZMA}
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, str(PREPARE), "install", str(wheels), "--target", str(site)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == wheel.name
+    probe = subprocess.run([sys.executable, "-c", "import kvc_probe; print(kvc_probe.VALUE)"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(site)})
+    assert probe.stdout.strip() == "7", probe.stderr
+
+
+def test_install_without_wheels_says_so(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(PREPARE), "install", str(tmp_path), "--target", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == f"prepare_gpu_machine: no wheels in {tmp_path}"

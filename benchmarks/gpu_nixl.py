@@ -1,0 +1,127 @@
+"""GPU check section nixl: raw NIXL UCX VRAM<->DRAM against torch copies, and the rdma backend against raw NIXL."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import numpy as np
+import torch
+from gpu_common import Plan, Skip, best_s, block_bytes, block_keys, cuda, host_blocks, versus
+
+
+class NixlPair:
+    """Two in-process NIXL UCX agents: `local` memory (VRAM on a GPU) and a pinned DRAM `remote`."""
+
+    def __init__(self, local: torch.Tensor, remote: torch.Tensor, block: int) -> None:
+        from kvcluster.storage.rdma import _agent  # agents as the backends make them (sleeping progress thread)
+
+        tag = f"{os.getpid()}-{time.monotonic_ns()}"
+        self.a = _agent(f"gpu-check-a-{tag}")
+        self.b = _agent(f"gpu-check-b-{tag}")
+        self.peer, self.local, self.remote = f"gpu-check-b-{tag}", local, remote
+        self.a.register_memory(local)
+        self.b.register_memory(remote)
+        self.a.add_remote_agent(self.b.get_agent_metadata())
+        n, vram = local.shape[0], local.is_cuda
+        dev_id = local.get_device() if vram else 0
+        self.mem = "VRAM" if vram else "DRAM"
+        self.local_descs = self.a.get_xfer_descs(
+            [(local.data_ptr() + i * block, block, dev_id) for i in range(n)], self.mem)
+        self.remote_descs = self.a.get_xfer_descs([(remote.data_ptr() + i * block, block, 0) for i in range(n)], "DRAM")
+        self.backend = ""
+
+    def move(self, op: str) -> None:
+        """One transfer of the whole batch (WRITE: local -> remote, READ: remote -> local)."""
+        h = self.a.initialize_xfer(op, self.local_descs, self.remote_descs, self.peer)
+        try:
+            state = self.a.transfer(h)
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError(f"NIXL {op} failed")
+                state = self.a.check_xfer_state(h)
+            if not self.backend:
+                with contextlib.suppress(Exception):
+                    self.backend = str(self.a.query_xfer_backend(h))
+        finally:
+            self.a.release_xfer_handle(h)
+
+
+def section_nixl(plan: Plan, out: dict) -> None:
+    """Raw NIXL UCX VRAM<->DRAM vs torch copies; the repo's rdma backend + H2D vs the raw NIXL read."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"nixl not importable ({type(exc).__name__}: {exc}); carry its wheels, see gpu_check.sh") from None
+    n, block = plan.blocks, block_bytes(plan)
+    local = torch.empty((n, block), dtype=torch.uint8, device=plan.device)
+    out.update(block_bytes=block, blocks=n, batch_bytes=n * block, local_mem="VRAM" if local.is_cuda else "DRAM",
+               remote_mem="DRAM (pinned)" if cuda() else "DRAM", ucx_tls=os.environ.get("UCX_TLS", "(default)"))
+    try:
+        raw_read_s, failure = raw_nixl(plan, out, local, block), None
+    except Exception as exc:  # noqa: BLE001 - the rdma backend below still runs, against torch copies
+        raw_read_s, failure = None, exc
+    try:
+        out["rdma_backend_to_hbm"] = rdma_backend_read(plan, local, n, block, raw_read_s)
+    except Exception as exc:  # noqa: BLE001 - with both broken, the raw NIXL error is the section's
+        if failure is None:
+            raise
+        out["rdma_backend_to_hbm"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if failure is not None:
+        raise failure
+
+
+def raw_nixl(plan: Plan, out: dict, local: torch.Tensor, block: int) -> float:
+    """NIXL WRITE/READ of the batch between `local` and pinned DRAM vs torch copies; returns the READ time."""
+    n, r = local.shape[0], plan.repeat
+    nbytes = n * block
+    remote = host_blocks(n, block)
+    pair = NixlPair(local, remote, block)
+    local.copy_(torch.from_numpy(np.random.default_rng(3).integers(0, 256, (n, block), dtype=np.uint8)))
+    pair.move("WRITE")
+    verified = torch.equal(remote, local.cpu())
+    remote.numpy()[:] = np.random.default_rng(4).integers(0, 256, (n, block), dtype=np.uint8)
+    pair.move("READ")
+    out["bytes_verified"] = verified and torch.equal(local.cpu(), remote)
+    write_s, read_s = best_s(lambda: pair.move("WRITE"), r), best_s(lambda: pair.move("READ"), r)
+    out["nixl_backend"] = pair.backend or "UCX"
+    ref_w = best_s(lambda: [remote[i].copy_(local[i], non_blocking=True) for i in range(n)], r)
+    ref_r = best_s(lambda: [local[i].copy_(remote[i], non_blocking=True) for i in range(n)], r)
+    out["write_to_dram"] = versus(write_s, ref_w, nbytes, f"torch copy_ per block, {pair.mem} -> DRAM")
+    out["read_from_dram"] = versus(read_s, ref_r, nbytes, f"torch copy_ per block, DRAM -> {pair.mem}")
+    return read_s
+
+
+def rdma_backend_read(plan: Plan, dev: torch.Tensor, n: int, block: int, raw_read_s: float | None) -> dict:
+    """What the repo does for a peer's block: rdma get_many (NIXL DRAM->DRAM, checksum) then H2D.
+
+    Its reference is the raw NIXL read into `dev`; where that failed, one torch copy per block into `dev`.
+    """
+    from kvcluster.storage import NixlPeerPool, RDMABackend
+
+    pool = NixlPeerPool(n, block)
+    client = RDMABackend(pool, n * block, n)
+    src, dst = host_blocks(n, block, seed=5), host_blocks(n, block)
+    keys = block_keys("rdma", n)
+    assert all(client.put_many([(k, src.numpy()[i]) for i, k in enumerate(keys)])), "rdma put failed"
+    rows = [dst.numpy()[i] for i in range(n)]
+
+    def read() -> None:
+        client.get_many(keys, rows)
+        dev.copy_(dst, non_blocking=True)
+
+    seconds = best_s(read, plan.repeat)
+    ok = bool(np.array_equal(dst.numpy(), src.numpy()))
+    ref = f"raw NIXL READ {'pinned DRAM -> VRAM' if dev.is_cuda else 'DRAM -> DRAM'} (above)"
+    if raw_read_s is None:
+        ref, raw_read_s = "torch copy_ per block into the same buffer (the raw NIXL read failed)", best_s(
+            lambda: [dev[i].copy_(src[i], non_blocking=True) for i in range(n)], plan.repeat)
+    return versus(seconds, raw_read_s, n * block, ref) | {"medium": client.medium, "bytes_verified": ok}
+
+
+def summary_nixl(s: dict) -> str:
+    mem, w, r, b = s["local_mem"], s["write_to_dram"], s["read_from_dram"], s["rdma_backend_to_hbm"]
+    return (f"NIXL {mem}->DRAM {w['gbps']:.1f} GB/s vs torch {w['ref_gbps']:.1f} ({w['ratio']:.0%}); "
+            f"DRAM->{mem} {r['gbps']:.1f} vs {r['ref_gbps']:.1f} ({r['ratio']:.0%}); "
+            f"rdma backend+H2D {b['gbps']:.2f} vs raw NIXL read ({b['ratio']:.0%})")
