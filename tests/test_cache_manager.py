@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from kvcluster.cache_manager import CacheManager
 from kvcluster.control_plane import ControlPlane
-from kvcluster.paths import shared_data_dir
 from kvcluster.simulator import TierPlan, prepare, replay, request_context
 from kvcluster.traces import load_trace
+
+from data_support import require_data
 
 BLOCK = 64
 
@@ -84,7 +85,7 @@ def replay_through_plane(trace, policy: str, plan: list[TierPlan]) -> tuple[list
 
 @pytest.fixture(scope="module")
 def mooncake_slice():
-    return prepare(load_trace(str(shared_data_dir() / "mooncake" / "synthetic_trace.jsonl"), max_records=300))
+    return prepare(load_trace(str(require_data("mooncake", "synthetic_trace.jsonl")), max_records=300))
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "sieve", "bayes", "bayes-v1"])
