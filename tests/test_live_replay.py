@@ -13,11 +13,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvcluster.actors.live_replay import block_key, block_payload, replay_live  # noqa: E402
-from kvcluster.paths import shared_data_dir  # noqa: E402
 from kvcluster.simulator import prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
 
-MOONCAKE = shared_data_dir() / "mooncake" / "synthetic_trace.jsonl"
+from data_support import require_data  # noqa: E402
+
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
 
@@ -31,8 +31,13 @@ def own_ray():
 
 
 @pytest.fixture(scope="module")
-def trace():
-    return prepare(load_trace(str(MOONCAKE), max_records=150))
+def mooncake():
+    return require_data("mooncake", "synthetic_trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trace(mooncake):
+    return prepare(load_trace(str(mooncake), max_records=150))
 
 
 @pytest.mark.parametrize("policy", ["lru", "bayes", "arc"])
@@ -53,8 +58,8 @@ def test_stand_in_bytes_differ_for_every_block() -> None:
     assert a.nbytes == 4096 and (a != b).any() and (block_payload(block_key(1), 4096) == a).all()
 
 
-def test_the_cli_prints_the_simulators_json_with_the_live_figures() -> None:
-    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(MOONCAKE), "--live", "--policy", "lru",
+def test_the_cli_prints_the_simulators_json_with_the_live_figures(mooncake) -> None:
+    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(mooncake), "--live", "--policy", "lru",
                           "--capacity-blocks", "40,80,200", "--max-records", "60", "--json"],
                          capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -71,7 +76,7 @@ def test_the_cli_prints_the_simulators_json_with_the_live_figures() -> None:
     (["--policy", "lru", "--tiers", "h100-node"], "--tiers is a simulator option"),
     (["--policy", "lru", "--capacity-frac", "0,0.1,0.2"], "--capacity-frac"),
 ])
-def test_bad_live_options_are_refused_by_name(argv, message: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(MOONCAKE), "--live", "--max-records", "5",
+def test_bad_live_options_are_refused_by_name(mooncake, argv, message: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(mooncake), "--live", "--max-records", "5",
                           *argv], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
