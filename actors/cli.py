@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvcluster.cli import _human_bytes, _non_negative_float, _subparser, _table
+from kvcluster.cli import _human_bytes, _subparser, _table
 from kvcluster.errors import ConfigError
 
 
@@ -27,9 +27,10 @@ def run(args: argparse.Namespace) -> int:
             raise
         return _purge_only(cfg, args.json)  # nothing running to stop: the files are all that is left
     if args.action == "up":
-        result = cluster.up(cfg, args.placement_period_s)
+        result = cluster.up(cfg)
         text = f"started {len(result['tiers'])} tier actors ({', '.join(result['tiers'])}); " \
-               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and placement loop running"
+               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and control plane " \
+               f"({result['policy']}) running"
     elif args.action == "down":
         result = {"killed": cluster.down(cfg)}
         text = f"stopped {len(result['killed'])} actors"
@@ -45,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
         rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
                 for r in result["tiers"]]
         text = _table(rows, ["node", "tier", "state", "blocks", "capacity"])
-        if result.get("placement"):
-            text += "\nplacement: " + ", ".join(f"{k} {v}" for k, v in sorted(result["placement"].items()))
+        control = result.get("control")
+        if control:
+            text += f"\ncontrol plane: policy {control['policy']}, {control['requests']} requests placed, " + \
+                ", ".join(f"{k} {v}" for k, v in sorted(control["totals"].items()))
     print(json.dumps(result) if args.json else text)
     return 0
 
@@ -63,8 +66,8 @@ def _purge_only(cfg, as_json: bool) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     cl = _subparser(sub, "cluster", "start, inspect or stop the cache actors on a running Ray cluster",
                     "The cache actors of a cluster YAML on a running Ray cluster (it does not start Ray):\n"
-                    "  up      start (or find) the index, predictor, tier actors and placement loop; idempotent\n"
-                    "  status  blocks held and capacity per node and tier, and placement totals\n"
+                    "  up      start (or find) the index, predictor, tier actors and control plane; idempotent\n"
+                    "  status  blocks held and capacity per node and tier, and the control plane's totals\n"
                     "  down    stop them (the predictor checkpoints first; nvme and pfs files stay,\n"
                     "          --purge removes them and the predictor checkpoint)",
                     "ray start --head && kvcluster cluster up local\n"
@@ -74,8 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("config", help="a cluster YAML (path, or a name under configs/cluster)")
     cl.add_argument("--address", default="auto", help="Ray cluster address, HOST:PORT of the head's GCS "
                                                       "(default auto: the cluster running on this host)")
-    cl.add_argument("--placement-period-s", type=_non_negative_float, default=1.0, metavar="SECONDS",
-                    help="seconds between placement rounds (up)")
     cl.add_argument("--purge", action="store_true",
                     help="with down: also remove the state files (nvme slabs, pfs blocks, predictor checkpoint)")
     cl.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,14 +7,14 @@ import socket
 import ray
 
 from kvcluster.cluster_config import ClusterConfig, NodeEntry
+from kvcluster.cluster_control import node_chains
 from kvcluster.errors import ConfigError, KvclusterError
-from kvcluster.model_spec import load_model_spec
-from kvcluster.storage.layout import layout_for
 from kvcluster.tiers import TIER_ORDER
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE
-from .placement_actor import PLACEMENT_NAME, PlacementController
+from .control_plane_actor import CONTROL_NAME, ControlPlaneActor
+from .placement_actor import PLACEMENT_NAME
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
@@ -59,28 +59,28 @@ def node_ids(cfg: ClusterConfig) -> dict[str, str]:
     return out
 
 
-def up(cfg: ClusterConfig, placement_period_s: float = 1.0) -> dict:
-    """Start (or find) the index, predictor, every tier actor and the placement loop; idempotent."""
+def up(cfg: ClusterConfig) -> dict:
+    """Start (or find) the index, predictor, every tier actor and the control plane; idempotent.
+
+    The control plane actor places every block with `cfg.policy` (one hierarchy per node), so a
+    tier only ever receives writes it has room for."""
     alive = [n for n in ray.nodes() if n["Alive"]]
     pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
     start_global_actors(cfg.checkpoint_dir, predictor_config=cfg.predictor.model_dump())
     slot_bytes = cfg.block_bytes()
-    started, tiers, handles = [], [], []
+    started, handles = [], []
     for node in cfg.nodes:
-        order = sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.tier))
-        below = [actor_name(node.name, t.tier) for t in order][1:] + [None]  # each tier overflows into the next
-        for t, overflow in zip(order, below):
-            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path,
-                                 overflow=overflow)
+        for t in sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.tier)):
+            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path)
             handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
             started.append(actor_name(node.name, t.tier))
-            tiers.append((node.name, t.tier))
     ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
-    shards = layout_for(load_model_spec(cfg.model), cfg.block_tokens, cfg.dtype).shards
-    controller = PlacementController.options(name=PLACEMENT_NAME, namespace=NAMESPACE, lifetime="detached",
-                                             get_if_exists=True).remote(tiers, cfg.placement.model_dump(), shards)
-    ray.get(controller.start.remote(placement_period_s), timeout=60)
-    return {"tiers": started, "block_bytes": slot_bytes}
+    chains = {name: [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
+              for name, chain in node_chains(cfg).items()}
+    control = ControlPlaneActor.options(name=CONTROL_NAME, namespace=NAMESPACE, lifetime="detached",
+                                        get_if_exists=True).remote(chains, cfg.policy)
+    ray.get(control.stats.remote(), timeout=120)  # its view rebuilt from what the tiers already hold
+    return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy}
 
 
 def status(cfg: ClusterConfig) -> dict:
@@ -102,19 +102,18 @@ def status(cfg: ClusterConfig) -> dict:
         except ray.exceptions.RayError as exc:
             row["state"] = f"unavailable ({type(exc).__name__})"
     out: dict = {"tiers": rows}
-    try:
-        out["index"] = ray.get(ray.get_actor(INDEX_NAME, namespace=NAMESPACE).occupancy.remote(), timeout=30)
-        out["placement"] = ray.get(ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE).totals_so_far.remote(),
-                                   timeout=30)
-    except ValueError:
-        out["index"] = None
+    for key, name, method in (("index", INDEX_NAME, "occupancy"), ("control", CONTROL_NAME, "stats")):
+        try:
+            out[key] = ray.get(getattr(ray.get_actor(name, namespace=NAMESPACE), method).remote(), timeout=30)
+        except ValueError:
+            out[key] = None
     return out
 
 
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
     names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
-    names += [PLACEMENT_NAME, PREDICTOR_NAME, INDEX_NAME]
+    names += [CONTROL_NAME, PLACEMENT_NAME, PREDICTOR_NAME, INDEX_NAME]
     killed = []
     for name in names:
         try:

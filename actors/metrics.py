@@ -130,8 +130,8 @@ def posterior_mean() -> KeptGauge:
 @lru_cache(maxsize=None)
 def belady_gap() -> KeptGauge:
     """Belady's hit rate minus the tier policy's, over the replica's recent requests (kvcluster.belady_gap)."""
-    return KeptGauge(Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per tier.",
-                           tag_keys=("node", "tier")))
+    return KeptGauge(Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per "
+                           "tier, of the policy the cluster runs.", tag_keys=("node", "tier", "policy")))
 
 
 @lru_cache(maxsize=None)

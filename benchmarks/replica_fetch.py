@@ -63,8 +63,8 @@ def main() -> int:
         def empty_hbm() -> LocalBlockStore:
             return LocalBlockStore(TieredStore([hbm_backend(n + 8, size)], size))
 
-        stores = {"nixl": ClusterBlockStore(empty_hbm(), "n0", ["dram"], nixl_staging_bytes=max(32 << 20, 8 * size)),
-                  "object_store": ClusterBlockStore(empty_hbm(), "n0", ["dram"], nixl_staging_bytes=None)}
+        stores = {"nixl": ClusterBlockStore(empty_hbm(), "n0", nixl_staging_bytes=max(32 << 20, 8 * size)),
+                  "object_store": ClusterBlockStore(empty_hbm(), "n0", nixl_staging_bytes=None)}
         deadline = time.monotonic() + 30
         while any(len(s.fetch(keys, list(landing))) < n for s in stores.values()):  # warm: NIXL metadata, index
             assert time.monotonic() < deadline, "the index never listed every block"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
@@ -17,6 +17,9 @@ from .model_spec import load_model_spec
 from .placement import PlacementConfig
 from .predictor import PredictorConfig
 from .storage.layout import layout_for
+
+
+DEFAULT_POLICY = "bayes"  # what `kvcluster replay` runs by default too
 
 
 class TierEntry(BaseModel):
@@ -46,6 +49,19 @@ class ClusterConfig(BaseModel):
     placement: PlacementConfig = PlacementConfig()
     predictor: PredictorConfig = Field(PredictorConfig(), description="Priors and horizon of the cluster's "
                                        "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
+    policy: str = Field(DEFAULT_POLICY, description="Eviction policy of every node's hierarchy, run by the control "
+                        "plane actor (the one `kvcluster replay --policy` measures); an online policy.")
+
+    @field_validator("policy")
+    @classmethod
+    def _online_policy(cls, name: str) -> str:
+        from .policies.registry import POLICIES, policy_names
+
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
+        if POLICIES[name].offline:
+            raise ValueError(f"{name!r} reads the future: a live cluster cannot run it")
+        return name
 
     def block_bytes(self) -> int:
         return layout_for(load_model_spec(self.model), self.block_tokens, self.dtype).nbytes()

@@ -6,10 +6,10 @@ rest of the prefix lives, then reads it per (node, tier): memory tiers over NIXL
 buffers, checksums verified here), other tiers with one `get_many` each, all in
 flight together; this node's tiers are preferred over remote ones. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
-promoted into hbm. `store` keeps new blocks in hbm and writes them through to
-this node's first host tier with one fire-and-forget call (a full tier hands
-them on to the next one down), and tells the reuse predictor about the
-request's blocks in one more.
+promoted into hbm. `store` keeps new blocks in hbm and commits the request to
+the control plane with one fire-and-forget call (its policy decides where every
+block goes; see `kvcluster.cluster_control`), and tells the reuse predictor
+about the request's blocks in one more.
 """
 
 from __future__ import annotations
@@ -24,26 +24,26 @@ import numpy as np
 import ray
 
 from kvcluster.actors import metrics
+from kvcluster.actors.control_plane_actor import CONTROL_NAME
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
 from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
+from kvcluster.block_types import TransitionType
 from kvcluster.keys import BlockKey
+from kvcluster.policies.base import RequestContext
 from kvcluster.serving.block_store import LocalBlockStore
 from kvcluster.storage import RDMABackend, StorageError
 from kvcluster.tiers import TIER_ORDER
 
 log = logging.getLogger(__name__)
-WRITE_TIERS = ("dram", "cxl", "nvme", "pfs")  # write-through goes to the first of these the node has
-
-
 NIXL_TIERS = ("dram", "cxl")  # memory tiers whose slab a replica reads over NIXL
 NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through the object store this long
 
 
 class ClusterBlockStore:
-    def __init__(self, hbm: LocalBlockStore, node: str | None, node_tiers: Sequence[str], timeout_s: float = 10.0,
+    def __init__(self, hbm: LocalBlockStore, node: str | None, timeout_s: float = 10.0,
                  nixl_staging_bytes: int | None = 32 << 20):
         """`nixl_staging_bytes`: memory tiers are read over NIXL through a staging buffer of this size (one
         lookup call, then the bytes straight from the tier's slab); None reads them with `get_many` through
@@ -57,7 +57,8 @@ class ClusterBlockStore:
         self._nixl_staging = nixl_staging_bytes
         self._readers: dict[tuple[str, str], RDMABackend] = {}
         self._no_nixl_until: dict[tuple[str, str], float] = {}
-        self.write_tier = next((t for t in WRITE_TIERS if t in node_tiers), None) if node else None
+        self._control_handle = None
+        self._requests = 0
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
@@ -178,18 +179,35 @@ class ClusterBlockStore:
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None) -> None:
+        """Keep the request's blocks in hbm, then hand the whole request to the control plane in one
+        fire-and-forget call: its policy places the new blocks and moves the ones this request used
+        (promotions, and migrations from other nodes) through the tiers."""
         self.hbm.store(keys, payloads, pairs)
-        new = [j for j, p in enumerate(payloads) if p is not None]
-        if new and self.write_tier is not None:
-            try:
-                self._actor(self.node, self.write_tier).put_many.remote(
-                    [keys[j] for j in new], [payloads[j] for j in new], None if pairs is None else [pairs[j] for j in new],
-                    overflow=True)  # a full tier hands them on down rather than drop them
-                metrics.bytes_moved().inc(sum(payloads[j].nbytes for j in new),
-                                          {"src": f"{self.node}/hbm", "dst": f"{self.node}/{self.write_tier}",
-                                           "how": "write_through"})
-            except ValueError:
-                self._actors.pop((self.node, self.write_tier), None)
-                metrics.faults().inc(1, {"component": f"{self.node}/{self.write_tier}", "kind": "actor_unavailable"})
-        if pairs is not None and keys:
+        if self.node is None or not keys:
+            return
+        self._requests += 1
+        ctx = request_context(self._requests, time.time(), pairs)
+        new = [p for p in payloads if p is not None]
+        try:
+            self._control().commit.remote(self.node, list(keys), list(payloads), ctx)
+            if new:
+                metrics.bytes_moved().inc(sum(p.nbytes for p in new), {"src": f"{self.node}/hbm", "dst": "control",
+                                                                     "how": "commit"})
+        except ValueError:  # no control plane (yet): these blocks stay in hbm only
+            self._control_handle = None
+            metrics.faults().inc(1, {"component": "control", "kind": "actor_unavailable"})
+        if pairs is not None:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())
+
+    def _control(self):
+        if self._control_handle is None:
+            self._control_handle = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+        return self._control_handle
+
+
+def request_context(index: int, now: float, pairs: Sequence[int] | None) -> RequestContext:
+    """What the policy knows of a served request: its blocks' types and its transition, from their pairs."""
+    if not pairs:
+        return RequestContext(index=index, now=now)
+    n = len(TransitionType)
+    return RequestContext(index=index, now=now, block_types=tuple(p // n for p in pairs), transition=pairs[0] % n)

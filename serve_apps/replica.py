@@ -20,7 +20,7 @@ from ray import serve
 
 from kvcluster.actors.cluster import node_ids
 from kvcluster.belady_gap import BeladyGapEstimator
-from kvcluster.cluster_config import load_cluster_config
+from kvcluster.cluster_config import DEFAULT_POLICY, load_cluster_config
 from kvcluster.serving.block_store import LocalBlockStore
 from kvcluster.serving.models import load_model
 from kvcluster.serving.runner import ModelRunner, RequestTooLong
@@ -52,7 +52,8 @@ class KVReplica:
         cluster = cache_cluster(self.cfg)
         runner = ModelRunner(self.loaded, None, self.cfg.block_tokens, self.cfg.root_seed)
         block = runner.layout.nbytes()
-        hbm = LocalBlockStore(TieredStore([hbm_backend(self.cfg.hbm_blocks, block)], block))
+        self.policy = cluster.policy if cluster is not None else DEFAULT_POLICY
+        hbm = LocalBlockStore(TieredStore([hbm_backend(self.cfg.hbm_blocks, block)], block, self.policy))
         self.node = None
         if cluster is not None:
             if cluster.block_bytes() != block:
@@ -60,14 +61,13 @@ class KVReplica:
                                  f"{self.cfg.model} with {self.cfg.block_tokens}-token blocks needs {block}")
             here = ray.get_runtime_context().get_node_id()
             self.node = next((name for name, nid in node_ids(cluster).items() if nid == here), None)
-            tiers = [t.tier for n in cluster.nodes if n.name == self.node for t in n.tiers]
             staging = max(32 << 20, 8 * block) if self.cfg.nixl_fetch else None
-            runner.store = ClusterBlockStore(hbm, self.node, tiers, nixl_staging_bytes=staging)
+            runner.store = ClusterBlockStore(hbm, self.node, nixl_staging_bytes=staging)
         else:
             runner.store = hbm
         self.runner = runner
         self._hbm = hbm
-        self._gap = BeladyGapEstimator(self.cfg.hbm_blocks, policy="lru", block_size=self.cfg.block_tokens)
+        self._gap = BeladyGapEstimator(self.cfg.hbm_blocks, policy=self.policy, block_size=self.cfg.block_tokens)
         self._gap_task: asyncio.Task | None = None
         self._evictions_reported = 0
         self._model_lock = threading.Lock()  # one forward at a time; requests interleave between steps
@@ -130,7 +130,7 @@ class KVReplica:
         """The hbm tier's estimated gap to Belady over the recent requests, as a gauge."""
         estimate = await asyncio.to_thread(self._gap.estimate)
         if estimate is not None:
-            metrics.belady_gap().set(estimate.gap, {"node": self.node or "local", "tier": "hbm"})
+            metrics.belady_gap().set(estimate.gap, {"node": self.node or "local", "tier": "hbm", "policy": self.policy})
 
     def info(self) -> dict:
         store = self.runner.store

@@ -142,7 +142,7 @@ def test_a_replica_reads_dram_over_nixl_and_a_restarted_tier_is_a_miss_then_refi
     readers: dict = {}  # one NIXL reader per tier across fetches, as in a replica
 
     def fetch() -> tuple[list, ClusterBlockStore]:
-        store = ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 4096)], 4096)), "n0", ["dram"],
+        store = ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 4096)], 4096)), "n0",
                                   nixl_staging_bytes=1 << 16)
         store._readers = readers
         return store.fetch(block_keys), store

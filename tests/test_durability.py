@@ -39,7 +39,7 @@ def start_ray(tmp: str) -> None:
 def replica_store(runner: ModelRunner) -> ClusterBlockStore:
     block = runner.layout.nbytes()
     hbm = LocalBlockStore(TieredStore([hbm_backend(64, block)], block))  # a fresh replica: empty hbm
-    return ClusterBlockStore(hbm, "n0", ["pfs"])
+    return ClusterBlockStore(hbm, "n0")
 
 
 def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):

@@ -24,8 +24,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvcluster.actors.cluster import down, up  # noqa: E402
+from kvcluster.actors.control_plane_actor import CONTROL_NAME  # noqa: E402
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE  # noqa: E402
-from kvcluster.actors.placement_actor import PLACEMENT_NAME  # noqa: E402
 from kvcluster.actors.tier_actor import actor_name  # noqa: E402
 from kvcluster.cluster_config import load_cluster_config  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
@@ -77,37 +77,35 @@ def test_an_identical_replay_reuses_every_usable_prompt_block(tmp_path):
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
              namespace=NAMESPACE, _temp_dir=root, log_to_driver=False)
     try:
-        up(cfg, placement_period_s=0.2)
+        up(cfg)
         runner = ModelRunner(load_model("kvcluster-tiny-llama"))
         block = runner.layout.nbytes()
         hbm = LocalBlockStore(TieredStore([hbm_backend(64, block)], block))  # far smaller than one pass
-        runner.store = ClusterBlockStore(hbm, "n0", ["dram", "nvme", "pfs"])
+        runner.store = ClusterBlockStore(hbm, "n0")
         for prompt in prompts:
             runner.complete(prompt, ONE_TOKEN)
-        controller = ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE)
+        control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
         index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
         usable = [runner.block_keys(p[: (len(p) - 1) // 16 * 16]) for p in prompts]
         assert all(len(p) % 16 for p in prompts)  # the second pass computes no whole block, so stores nothing
-        deadline, last = time.monotonic() + 60, None
-        while time.monotonic() < deadline:  # the write-through has landed and the controller's rounds are quiet
-            time.sleep(1.0)
-            now = ray.get(controller.totals_so_far.remote())
-            indexed = all(ray.get(index.longest_prefix.remote(k)).length == len(k) for k in usable)
-            if now == last and indexed:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every commit placed (they are fire-and-forget) and indexed
+            placed = ray.get(control.stats.remote())["requests"] == len(prompts)
+            if placed and all(ray.get(index.longest_prefix.remote(k)).length == len(k) for k in usable):
                 break
-            last = now
+            time.sleep(0.5)
         cached = sum(runner.complete(p, ONE_TOKEN).cached_tokens for p in prompts)
         total = sum(len(p) for p in prompts)
-        totals = ray.get(controller.totals_so_far.remote())
+        control_stats = ray.get(control.stats.remote())
+        occupancy = control_stats["nodes"]["n0"]["occupancy"]
         stats = {t: ray.get(ray.get_actor(actor_name("n0", t), namespace=NAMESPACE).stats.remote())
                  for t in ("dram", "nvme", "pfs")}
         print(f"\nidentical replay: {cached}/{total} prompt tokens cached ({cached / total:.3f}); "
-              f"unique blocks {unique_blocks}; placement {totals}")
-        # a bound: how many blocks the controller demotes (rather than a full tier handing them down) is timing
-        assert totals.get("demote", 0) > 0, totals  # the replay did go through the demotion path
-        assert all(s.get("corrupt", 0) == 0 for s in stats.values()), stats
-        writes = {t: (s["puts"], s["put_failures"]) for t, s in stats.items()}
-        assert cached == sum(len(k) * 16 for k in usable), (cached, total, totals, writes)
+              f"unique blocks {unique_blocks}; placed {occupancy}, {control_stats['totals']}")
+        assert occupancy["n0/nvme"] > 0 and occupancy["n0/dram"] <= cfg.slots(cfg.nodes[0].tiers[0])  # demoted
+        assert control_stats["totals"].get("failed", 0) == 0  # every move the policy decided landed
+        assert all(s.get("corrupt", 0) == 0 and s.get("put_failures", 0) == 0 for s in stats.values()), stats
+        assert cached == sum(len(k) * 16 for k in usable), (cached, total, control_stats)
         down(cfg)
     finally:
         ray.shutdown()

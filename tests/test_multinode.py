@@ -209,7 +209,7 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
     wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).length == 4)
 
     def fresh_store() -> ClusterBlockStore:
-        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 16)], 1 << 16)), "h", [],
+        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 16)], 1 << 16)), "h",
                                  timeout_s=10)
 
     got = fresh_store().fetch(KEYS)
