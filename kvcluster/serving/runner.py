@@ -6,7 +6,8 @@ rebuild the transformers cache from it, prefill the remaining tokens, then decod
 At least the prompt's last token is always computed (its logits pick the first
 new token). When the request ends, every full block it computed (prompt and
 answer) goes back to the store in one call, so the next turn of a conversation
-finds its whole history.
+finds its whole history; after a position-independent segment hit, only the
+blocks before that segment do (see `finish`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Generation:
     segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) reusable at any position
     cached_tokens: int = 0  # the exact prefix served from the cache
     segment_tokens: int = 0  # segment tokens served from the cache at another position (re-rotated)
+    rerotated_from: int | None = None  # start of the first re-rotated segment: KV from here on is approximate
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded output so far, stop strings cut off
     emitted: int = 0  # characters of `text` already handed out
@@ -120,7 +122,8 @@ class ModelRunner:
         (a document or tool result that appeared at another offset): their blocks are
         keyed by content alone, stored rotated to position 0 and re-rotated to where they
         sit now. Opt-in: only layer 0 is then exactly what prefill would compute, since
-        deeper layers saw a different context; prefix reuse stays exact.
+        deeper layers saw a different context; prefix reuse stays exact, because `finish`
+        never stores that KV, or any computed after it, under prefix keys.
         """
         self.check_fits(len(prompt_ids), params.max_tokens)
         t0 = time.perf_counter()
@@ -141,6 +144,8 @@ class ModelRunner:
                 continue
             if s > pos:
                 self._forward(gen.prompt_ids[pos:s], gen.cache)
+            if gen.rerotated_from is None:
+                gen.rerotated_from = s
             self.codec.append(gen.cache, self.codec.rerotate(found, s, self.rope))
             pos = s + len(found) * self.block_tokens
             gen.segment_tokens += pos - s
@@ -170,10 +175,21 @@ class ModelRunner:
         return delta
 
     def finish(self, gen: Generation) -> None:
-        """Store every full block this request computed (one call), then drop its cache."""
+        """Store every full block this request computed exactly (one call), then drop its cache.
+
+        Prefix keys promise the KV a cold prefill of those tokens computes, so a hit is
+        exact. After a segment was served re-rotated, that no longer holds from the
+        segment's first token on: its deeper layers were computed in another context, and
+        every later token (prompt and answer) attended to it. So only the blocks wholly
+        before `rerotated_from` go under prefix keys (a later plain request computes and
+        stores the rest exactly); the segments still go under their content keys, whose
+        reuse is approximate by opt-in.
+        """
         if self.store is not None and gen.cache is not None:
             seq = gen.prompt_ids + gen.output_ids[:-1]  # the last token was never fed back
             keys = self.block_keys(seq, gen.cache_salt)
+            if gen.rerotated_from is not None:
+                keys = keys[: gen.rerotated_from // self.block_tokens]
             first_new = gen.cached_tokens // self.block_tokens
             new = self.codec.encode(gen.cache, first_new, len(keys))
             if keys:  # even with nothing new: the store tells the reuse predictor these blocks were used
