@@ -19,15 +19,27 @@ from kvcluster.cluster_control import NodeCaches
 from kvcluster.policies.base import RequestContext
 from kvcluster.simulator import TierPlan
 
+from .peer_server import MEMORY_TIERS
+
 CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
 CALL_TIMEOUT_S = 120.0
 
 
 class ActorTierIO:
-    """Tier index -> tier actor; each round is one remote call per tier actor, gathered together."""
+    """Tier index -> tier actor; each round is one remote call per tier actor, gathered together.
 
-    def __init__(self, actors: Sequence) -> None:
+    Memory tiers (dram, cxl) lend their pool over NIXL: another node's tier can `pull` from them
+    directly (`nixl_source`), which is how migrations between nodes travel."""
+
+    def __init__(self, actors: Sequence, names: Sequence[str]) -> None:
         self.actors = list(actors)
+        self.names = list(names)
+
+    def nixl_source(self, tier: int) -> str | None:
+        return self.names[tier] if self.names[tier].rsplit("/", 1)[-1] in MEMORY_TIERS else None
+
+    def pull(self, tier: int, source: str, keys: list[bytes]) -> list[bool | None]:
+        return ray.get(self.actors[tier].pull.remote(source, keys), timeout=CALL_TIMEOUT_S)
 
     def _gather(self, calls: dict[int, ray.ObjectRef]) -> dict:
         tiers = list(calls)
@@ -56,7 +68,8 @@ class ControlPlaneActor:
 
         self.policy = policy
         self.labels = {node: [label for label, _, _ in chain] for node, chain in chains.items()}
-        io = {node: ActorTierIO([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain])
+        io = {node: ActorTierIO([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain],
+                                [name for _, name, _ in chain])
               for node, chain in chains.items()}
         plans = {node: [TierPlan(label, cap) for label, _, cap in chain] for node, chain in chains.items()}
         self.caches = NodeCaches(plans, io, policy, policy_options)

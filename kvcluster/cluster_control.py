@@ -78,14 +78,21 @@ class NodeCaches:
     def commit(self, node: str, keys: Sequence[bytes], held: Held, ctx: RequestContext | None = None
                ) -> tuple[StorePlan, list[bytes]]:
         """Place one request served on `node`: `held` are the payloads its replica computed (or read).
-        Blocks of the request that another node holds and the replica did not send migrate here."""
+        Blocks of the request that another node holds and the replica did not send migrate here:
+        pulled node to node where both sides speak NIXL (the source a memory tier), else read here
+        and written there."""
         manager = self.managers[node]
         held = dict(held)
         sources = self._foreign(node, keys, held)
+        pulls = self._pullable(node, sources)
         if sources:
-            self._read_foreign(sources, held)
-        plan = manager.prepare_store(keys, held.keys(), ctx)
-        failed = execute(plan, self.io[node], held)
+            self._read_foreign({o: {t: ks for t, ks in by.items() if (o, t) not in pulls} for o, by in sources.items()},
+                               held)
+        arriving = {k: src for src, ks in pulls.items() for k in ks}
+        plan = manager.prepare_store(keys, set(held) | set(arriving), ctx)
+        rest = StorePlan(plan.plan_id, tuple(m for m in plan.moves if m.key not in arriving))
+        failed = execute(rest, self.io[node], held)
+        failed += self._pull(node, plan, arriving)
         manager.complete_store(plan, failed)
         moved_here = {m.key for m in plan.moves if m.dst is not None} - set(failed)
         self._release_foreign(sources, moved_here)
@@ -93,6 +100,27 @@ class NodeCaches:
         self.totals["moves"] += len(plan.moves)
         self.totals["failed"] += len(failed)
         return plan, failed
+
+    def _pullable(self, node: str, sources: dict[str, dict[int, list[bytes]]]) -> dict[tuple[str, int], list[bytes]]:
+        """The (other node, tier) groups that `node`'s tiers can pull over NIXL."""
+        if not hasattr(self.io[node], "pull"):
+            return {}
+        return {(other, tier): ks for other, by_tier in sources.items() for tier, ks in by_tier.items()
+                if getattr(self.io[other], "nixl_source", lambda t: None)(tier) is not None}
+
+    def _pull(self, node: str, plan: StorePlan, arriving: dict[bytes, tuple[str, int]]) -> list[bytes]:
+        """Run the plan's migrations that come over NIXL: one pull per (destination tier, source tier),
+        after the rest of the plan made their room."""
+        groups: dict[tuple[int, tuple[str, int]], list[bytes]] = {}
+        for m in plan.moves:
+            if m.key in arriving and m.dst is not None:
+                groups.setdefault((m.dst, arriving[m.key]), []).append(m.key)
+        failed = []
+        for (dst, (other, tier)), ks in groups.items():
+            ok = self.io[node].pull(dst, self.io[other].nixl_source(tier), ks)
+            failed.extend(k for k, good in zip(ks, ok) if good is not True)
+            self.totals["pulled"] += sum(good is True for good in ok)
+        return failed
 
     def _foreign(self, node: str, keys: Sequence[bytes], held: Held) -> dict[str, dict[int, list[bytes]]]:
         """Blocks of this request that only another node's hierarchy holds: {node: {tier: keys}}."""

@@ -81,3 +81,41 @@ def test_a_restarted_control_plane_adopts_what_the_tiers_hold() -> None:
         assert extra == []
     assert fresh.managers["a"].occupancy() == caches.managers["a"].occupancy()
     assert_match(fresh, io)
+
+
+class PullingTiers(DictTiers):
+    """A data plane whose tiers can pull from another node's memory tier (what NIXL does between nodes)."""
+
+    registry: dict = {}
+
+    def __init__(self, node: str, capacities: list[int]) -> None:
+        super().__init__(capacities)
+        self.node = node
+        self.pulls = 0
+        PullingTiers.registry[node] = self
+
+    def nixl_source(self, tier: int) -> str | None:
+        return f"{self.node}:{tier}" if tier == 0 else None  # only the memory tier lends its pool
+
+    def pull(self, tier: int, source: str, keys: list[bytes]) -> list[bool | None]:
+        self.pulls += 1
+        node, src_tier = source.split(":")
+        got = [PullingTiers.registry[node].tiers[int(src_tier)].get(k) for k in keys]
+        ok = self.write({tier: ([k for k, g in zip(keys, got) if g is not None], [g for g in got if g is not None],
+                                [None] * len(keys))})[tier]
+        it = iter(ok)
+        return [None if g is None else next(it) for g in got]
+
+
+def test_a_migration_from_a_memory_tier_is_one_pull_and_the_rest_go_through_the_mover() -> None:
+    chains = node_chains(two_nodes(), {("a", "dram"): 3, ("a", "pfs"): 8, ("b", "dram"): 3, ("b", "pfs"): 8})
+    io = {node: PullingTiers(node, [t.capacity_blocks for t in chain]) for node, chain in chains.items()}
+    caches = NodeCaches({node: [t.plan() for t in chain] for node, chain in chains.items()}, io, "lru")
+    ks = [key_of(i) for i in range(1, 6)]
+    caches.commit("a", ks[:2], held(ks[:2]))
+    caches.commit("a", ks[2:], held(ks[2:]))  # a/dram: ks[2:5]; a/pfs: ks[0:2]
+    plan, failed = caches.commit("b", [ks[0], ks[2], ks[3]], {})
+    assert failed == [] and io["b"].pulls == 1 and caches.totals["pulled"] == 2  # ks[2], ks[3] from a's dram
+    assert caches.totals["migrated"] == 3  # ks[0] came from a's pfs through the mover
+    assert [caches.managers["b"].tier_of(k) for k in (ks[0], ks[2], ks[3])] == [0, 0, 0]
+    assert_match(caches, io)
