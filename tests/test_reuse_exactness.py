@@ -80,7 +80,9 @@ def test_a_plain_request_after_a_segment_hit_is_served_exact_kv(loaded):
     assert plain.output_ids == cold.output_ids
     again = runner.complete(SECOND, GREEDY)  # the plain request stored its exactly computed blocks
     assert again.cached_tokens == 96 and again.output_ids == cold.output_ids
-    for j, (got, want) in enumerate(zip(runner.store.fetch(runner.block_keys(SECOND[:96])), cold_blocks(loaded, SECOND, 6))):
+    stored = runner.store.fetch(runner.block_keys(SECOND[:96]))
+    assert len(stored) == 6
+    for j, (got, want) in enumerate(zip(stored, cold_blocks(loaded, SECOND, 6))):
         assert_same_kv(got, want, f"block {j} after the plain request")
 
 
