@@ -12,19 +12,22 @@ import pytest
 from kvcluster.block_types import BlockType, TransitionType
 from kvcluster.errors import ConfigError, TraceError
 from kvcluster.keys import KeySpace
-from kvcluster.tokenizer import tokenizer_dir
 from kvcluster.traces import TRACE_FORMATS, detect_format, load_trace
 from kvcluster.traces.base import Trace
 from kvcluster.traces.classify import PrefixClassifier, majority_block_types
 from kvcluster.traces.sharegpt import root_id
 
-from data_support import require_data
+from data_support import require_data, require_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-needs_tokenizer = pytest.mark.skipif(not (tokenizer_dir() / "tokenizer.json").is_file(),
-                                     reason="no offline tokenizer; run scripts/fetch_tokenizer.py")
+needs_tokenizer = pytest.mark.usefixtures("offline_tokenizer")  # missing: fails under CI, skips elsewhere
 S, H, T, O = BlockType.SYSTEM, BlockType.HISTORY, BlockType.TOOL, BlockType.OUTPUT
 FIRST, APPEND, FORK, STEP = TransitionType.FIRST, TransitionType.APPEND, TransitionType.FORK, TransitionType.AGENT_STEP
+
+
+@pytest.fixture(scope="module")
+def offline_tokenizer() -> Path:
+    return require_tokenizer()
 
 
 def infinite_hits(trace: Trace) -> int:
@@ -365,6 +368,18 @@ def test_offline_tokenizer_is_mistral_32k() -> None:
     tok = load_tokenizer()
     assert len(tok) == 32000 and tok("Hello world")["input_ids"] == [1, 22557, 1526]
     assert load_fast_tokenizer().get_vocab_size() == 32000
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
+def test_tests_needing_the_tokenizer_fail_under_ci_and_skip_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      ci: str, outcome: type) -> None:
+    monkeypatch.setenv("KVCLUSTER_TOKENIZER_DIR", str(tmp_path))
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome) as missing:
+        require_tokenizer()
+    assert str(tmp_path / "tokenizer.json") in str(missing.value) and "scripts/fetch_tokenizer.py" in str(missing.value)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert require_tokenizer() == tmp_path
 
 
 def test_missing_tokenizer_says_how_to_set_it_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
