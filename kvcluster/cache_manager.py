@@ -164,32 +164,39 @@ class CacheManager:
         bytes of; a block neither held by a tier nor computed is left out (there is nothing to store)."""
         computed = set(computed)
         ids = self._intern(keys)
-        locate = self.hierarchy.locate
-        before: dict[int, int | None] = {}
+        top = self.hierarchy.policies[0]
+        src: dict[int, int | None] = {}  # where each touched block's bytes are now
         skipped: set[int] = set()
         served: list[int] = []
         for key, i in zip(keys, ids):
-            if i not in before and i not in skipped:
-                where = locate(i)
-                if where is None and key not in computed:
-                    skipped.add(i)
-                    continue
-                before[i] = where
+            if i not in src and i not in skipped:
+                if i in top:
+                    src[i] = 0
+                elif key in computed:
+                    src[i] = None  # new, unless a lower tier holds it: then `promoted` says which
+                else:
+                    where = self.hierarchy.locate(i)
+                    if where is None:  # no bytes anywhere: nothing to store
+                        skipped.add(i)
+                        continue
+                    src[i] = where
             if i not in skipped:
                 served.append(i)
         self._requests += 1
         if ctx is None:
             ctx = RequestContext(index=self._requests, now=float(self._requests))
         result = self.hierarchy.serve(served, ctx, self._pins)
-        for block, origin, _ in result.demoted:
-            before.setdefault(block, origin)
+        for block, tier in result.promoted:
+            src[block] = tier
+        dst = dict.fromkeys(src, 0)  # every served block ends in tier 0 unless it fell in the same request
+        for block, origin, landed in result.demoted:  # in cascade order: the last landing is where it stays
+            src.setdefault(block, origin)
+            dst[block] = landed
         for block, origin in zip(result.dropped, result.dropped_from):
-            before.setdefault(block, origin)
-        moves = []
-        for block, src in before.items():
-            dst = locate(block)
-            if dst != src:
-                moves.append(Move(self._keys[block], src, dst))
+            src.setdefault(block, origin)
+            dst[block] = None
+        keys_of = self._keys
+        moves = [Move(keys_of[b], s, dst[b]) for b, s in src.items() if s != dst[b]]
         return StorePlan(next(self._plan_ids), tuple(moves))
 
     def complete_store(self, plan: StorePlan, failed: Iterable[bytes] = ()) -> None:

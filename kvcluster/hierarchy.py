@@ -110,7 +110,8 @@ class Hierarchy:
         origin = {b: tier for b in evicted}
         while evicted:
             if pinned:
-                evicted = self._keep_pinned(evicted, tier, ctx, pinned)
+                evicted, kept = self._keep_pinned(evicted, tier, ctx, pinned)
+                demoted.extend((b, origin[b], tier) for b in kept if origin.get(b, tier) != tier)  # landed here
                 for b in evicted:
                     origin.setdefault(b, tier)
             self.counters[tier].evictions += len(evicted)
@@ -125,13 +126,15 @@ class Hierarchy:
             evicted, tier = next_evicted, below
         return demoted, [], []
 
-    def _keep_pinned(self, evicted: list[int], tier: int, ctx: RequestContext, pinned: Container[int]) -> list[int]:
+    def _keep_pinned(self, evicted: list[int], tier: int, ctx: RequestContext, pinned: Container[int]
+                     ) -> tuple[list[int], list[int]]:
         """Re-admit pinned victims into `tier`, whose policy then picks other victims. A few rounds
         at most: if every candidate is pinned the tier is over-pinned and a pinned block falls
-        (the reader then sees a miss, never wrong bytes)."""
+        (the reader then sees a miss, never wrong bytes). Returns (victims, pinned blocks kept here)."""
         policy = self.policies[tier]
         out = [b for b in evicted if b not in pinned]
         back = [b for b in evicted if b in pinned]
+        readmitted = list(back)
         for _ in range(4):
             if not back:
                 break
@@ -139,7 +142,7 @@ class Hierarchy:
             out.extend(b for b in again if b not in pinned)
             back = [b for b in again if b in pinned]
         out.extend(back)
-        return out
+        return out, [b for b in readmitted if b in policy]
 
     def __contains__(self, block: int) -> bool:
         return self.locate(block) is not None

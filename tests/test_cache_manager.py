@@ -106,17 +106,22 @@ def test_the_plane_over_real_bytes_hits_exactly_what_the_simulator_replays(moonc
 requests = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(requests=requests, caps=st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(1, 8)),
-       policy=st.sampled_from(["lru", "arc", "s3fifo", "sieve", "bayes"]))
-def test_after_every_request_each_tier_holds_exactly_what_the_manager_says(requests, caps, policy) -> None:
+       policy=st.sampled_from(["lru", "arc", "s3fifo", "sieve", "bayes"]),
+       pinned=st.lists(st.integers(0, 40), max_size=4))
+def test_after_every_request_each_tier_holds_exactly_what_the_manager_says(requests, caps, policy, pinned) -> None:
     plan = [TierPlan(n, c) for n, c in zip(("dram", "nvme", "pfs"), caps)]
     manager = CacheManager(plan, policy)
     tiers = DictTiers(list(caps))
     plane = ControlPlane(manager, tiers)
-    for blocks in requests:
+    for n, blocks in enumerate(requests):
         keys = [key_of(b) for b in blocks]
+        readers = [key_of(b) for b in pinned] if n % 2 else []  # a reader holds some blocks meanwhile
+        for k in readers:
+            manager.prepare_load([k])
         plane.serve(keys, {k: payload_of(k) for k in keys})
+        manager.complete_load(readers)
         manager.hierarchy.check_integrity()
         assert_tiers_match(manager, tiers)
         assert tiers.refused == 0
