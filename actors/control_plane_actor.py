@@ -19,6 +19,7 @@ from kvcluster.cluster_control import NodeCaches
 from kvcluster.policies.base import RequestContext
 from kvcluster.simulator import TierPlan
 
+from . import metrics
 from .peer_server import MEMORY_TIERS
 
 CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
@@ -72,9 +73,13 @@ class ControlPlaneActor:
                                 [name for _, name, _ in chain])
               for node, chain in chains.items()}
         plans = {node: [TierPlan(label, cap) for label, _, cap in chain] for node, chain in chains.items()}
+        self.io = io
         self.caches = NodeCaches(plans, io, policy, policy_options)
         self.requests = 0
+        self.resyncs = 0
         self.adopted = self._adopt(io)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            metrics.faults().inc(1, {"component": "control", "kind": "restarted"})
 
     def _adopt(self, io: dict[str, ActorTierIO]) -> int:
         """Blocks the tiers already hold (from before a restart): back into the bookkeeping; what the policy
@@ -90,6 +95,20 @@ class ControlPlaneActor:
                     tier_io.delete({tier: extra})
                 adopted += len(keys) - len(extra)
         return adopted
+
+    def resync(self, tier_actor: str) -> int:
+        """A tier actor restarted: forget what its tier held and adopt what it holds now. Runs between
+        plans (one call at a time), so no plan sees the tier half-known. Returns the blocks adopted."""
+        for node, tier_io in self.io.items():
+            if tier_actor in tier_io.names:
+                tier = tier_io.names.index(tier_actor)
+                keys = ray.get(tier_io.actors[tier].held_keys.remote(), timeout=CALL_TIMEOUT_S)
+                extra = self.caches.resync(node, tier, keys)
+                if extra:
+                    tier_io.delete({tier: extra})
+                self.resyncs += 1
+                return len(keys) - len(extra)
+        return 0
 
     def commit(self, node: str, keys: list[bytes], payloads: list[np.ndarray | None],
                ctx: RequestContext | None = None) -> int:
@@ -116,4 +135,5 @@ class ControlPlaneActor:
 
     def stats(self) -> dict:
         return {"policy": self.policy, "tiers": self.labels, "requests": self.requests, "adopted": self.adopted,
+                "resyncs": self.resyncs,
                 **self.caches.stats()}

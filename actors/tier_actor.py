@@ -79,24 +79,36 @@ class TierActor(PeerServer):
                                  self._lend if self.cfg.tier in MEMORY_TIERS else None)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.metrics.fault("restarted")
+            self._tell_control_plane()
         if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.reporter.lost()
         else:  # the shared filesystem outlives processes and clusters: tell the index what is already there
             self.reporter.listed(self.backend.keys())
+
+    def _tell_control_plane(self) -> None:
+        """After a restart this tier holds what its backend kept (nothing, for a memory tier): the control
+        plane re-reads it, so it neither counts on blocks that are gone nor leaves new ones unaccounted."""
+        from .control_plane_actor import CONTROL_NAME
+
+        try:
+            control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+        except ValueError:  # no control plane (a tier used on its own): nothing to tell
+            return
+        control.resync.remote(actor_name(self.cfg.node, self.cfg.tier))
 
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
                  prefetch: bool = False, digests: list[int | None] | None = None,
                  overflow: bool = False) -> list[bool]:
-        """Store blocks; `prefetch`: the placement controller promoted them here ahead of use; `digests`:
-        the checksums the tier they were read from verified (see `StorageBackend.put_many`).
+        """Store blocks; `prefetch`: the caller promoted them here ahead of use (tracked until read or
+        deleted); `digests`: the checksums the tier they were read from verified (see
+        `StorageBackend.put_many`).
 
-        `overflow`: blocks this tier refuses (full until the next placement round) are handed to the
-        next tier down on this node in one fire-and-forget call, which may hand them on in turn. Why:
-        a replica's write-through is its only copy beyond its own hbm, and a burst of new blocks
-        larger than the room between high water and full would otherwise be lost. A mover (the
-        placement controller) passes False: it keeps its source when a put is refused."""
+        `overflow`: blocks this tier refuses (full) are handed to the next tier down on this node
+        (`TierActorConfig.overflow`) in one fire-and-forget call, which may hand them on in turn, so
+        a writer whose put is its only copy loses none to a full tier. A mover (the control plane)
+        passes False: its plan's deletes made the room, and it keeps its source when a put is refused."""
         ok = self._write(keys, payloads, digests)
         self._stored(keys, ok, pairs, prefetch)
         if overflow and self.cfg.overflow is not None:
@@ -208,7 +220,7 @@ class TierActor(PeerServer):
                 "nixl_direct_reads": self.puller.direct_reads(), "prefetched_unread": len(self.prefetched)}
 
     def describe(self) -> dict:
-        """Where this tier is and how many blocks it can hold (the placement controller's capacity)."""
+        """Where this tier is, how many blocks it can hold and holds (`kvcluster cluster status`)."""
         self.metrics.occupancy(self.backend)
         return {"node": self.cfg.node, "tier": self.cfg.tier, "slot_bytes": self.cfg.slot_bytes,
                 "capacity_blocks": self.backend.capacity_bytes // self.cfg.slot_bytes,

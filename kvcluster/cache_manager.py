@@ -155,6 +155,14 @@ class CacheManager:
         victims = self.hierarchy.policies[tier].admit(fresh, RequestContext(index=self._requests, now=0.0))
         return extra + [self._keys[i] for i in victims]
 
+    def forget_tier(self, tier: int) -> int:
+        """Everything `tier` was thought to hold is gone (its process restarted empty)."""
+        policy = self.hierarchy.policies[tier]
+        gone = list(policy.resident())
+        policy.discard(gone)
+        self._events.extend(Event("lost", self._keys[i], None, tier) for i in gone)
+        return len(gone)
+
     # -- stores -------------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[bytes], computed: Iterable[bytes] = (),

@@ -161,6 +161,13 @@ class NodeCaches:
         Returns those the policy could not keep (the caller deletes them, so bytes and view agree)."""
         return self.managers[node].adopt(tier, keys)
 
+    def resync(self, node: str, tier: int, keys: Sequence[bytes]) -> list[bytes]:
+        """A tier that restarted holds `keys` now: the bookkeeping follows (its old blocks leave, these are
+        adopted). Returns those to delete there."""
+        manager = self.managers[node]
+        manager.forget_tier(tier)
+        return manager.adopt(tier, keys)
+
     def stats(self) -> dict:
         return {"nodes": {node: {"occupancy": m.occupancy(), "counters": m.counters(), "tracked_blocks": m.tracked()}
                           for node, m in self.managers.items()},

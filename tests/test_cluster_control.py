@@ -119,3 +119,14 @@ def test_a_migration_from_a_memory_tier_is_one_pull_and_the_rest_go_through_the_
     assert caches.totals["migrated"] == 3  # ks[0] came from a's pfs through the mover
     assert [caches.managers["b"].tier_of(k) for k in (ks[0], ks[2], ks[3])] == [0, 0, 0]
     assert_match(caches, io)
+
+
+def test_a_restarted_tier_is_resynced_to_what_it_holds_now() -> None:
+    caches, io = make()
+    ks = [key_of(i) for i in range(1, 4)]
+    caches.commit("a", ks[:2], held(ks[:2]))
+    io["a"].tiers[0].clear()  # a's dram restarted empty
+    io["a"].tiers[0][ks[2]] = payload_of(ks[2])  # and has since received one block
+    assert caches.resync("a", 0, [ks[2]]) == []
+    assert [caches.managers["a"].tier_of(k) for k in ks] == [None, None, 0]
+    assert_match(caches, io)

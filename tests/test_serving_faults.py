@@ -15,6 +15,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from kvcluster.actors.control_plane_actor import CONTROL_NAME  # noqa: E402
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
@@ -82,7 +83,28 @@ def test_tier_actor_killed_mid_load(endpoint, expected):
     results = under_load(endpoint, lambda: ray.kill(dram, no_restart=False))
     assert_all_correct(results, expected)  # misses refilled from recompute, never wrong KV
     assert ray.get(dram.describe.remote(), timeout=60)["tier"] == "dram"  # it came back
+    control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+    assert ray.get(control.stats.remote(), timeout=60)["resyncs"] >= 1  # and the control plane re-read it
     wait_metric('kind="restarted"')
+
+
+def test_control_plane_killed_mid_load_rebuilds_its_view_from_the_tiers(endpoint, expected):
+    control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+    results = under_load(endpoint, lambda: ray.kill(control, no_restart=False))
+    assert_all_correct(results, expected)  # commits lost with it cost misses, never wrong KV
+    assert ray.get(control.stats.remote(), timeout=60)["adopted"] > 0  # what the tiers held came back
+
+    def agree():  # between two commits still queued from the load, bookkeeping and bytes match exactly
+        occupancy = ray.get(control.stats.remote(), timeout=60)["nodes"]["n0"]["occupancy"]
+        held = {f"n0/{t}": ray.get(ray.get_actor(f"kvcluster/n0/{t}", namespace=NAMESPACE).describe.remote(),
+                                   timeout=60)["used_blocks"] for t in ("dram", "nvme", "pfs")}
+        return occupancy == held or (occupancy, held)
+
+    deadline, seen = time.monotonic() + 30, None
+    while (seen := agree()) is not True and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen is True, seen
+    wait_metric('component="control",kind="restarted"')
 
 
 def test_predictor_killed_mid_load_comes_back_with_its_posteriors(endpoint, expected):
