@@ -14,7 +14,6 @@ from kvcluster.tiers import TIER_ORDER
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE
 from .control_plane_actor import CONTROL_NAME, ControlPlaneActor
-from .placement_actor import PLACEMENT_NAME
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
@@ -113,15 +112,13 @@ def status(cfg: ClusterConfig) -> dict:
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
     names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
-    names += [CONTROL_NAME, PLACEMENT_NAME, PREDICTOR_NAME, INDEX_NAME]
+    names += [CONTROL_NAME, PREDICTOR_NAME, INDEX_NAME]
     killed = []
     for name in names:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             continue
-        if name == PLACEMENT_NAME:
-            ray.get(actor.stop.remote(), timeout=60)
         if name == PREDICTOR_NAME:
             ray.get(actor.checkpoint.remote(), timeout=60)  # posteriors outlive the actor
         ray.kill(actor, no_restart=True)

@@ -31,9 +31,3 @@ class IndexActor:
 
     def occupancy(self) -> dict:
         return self.index.occupancy()
-
-    def placement_view(self, default_pair: int) -> tuple[dict, dict]:
-        """Holdings per (node, tier) and each held key's pair, in one call."""
-        holdings = self.index.holdings()
-        keys = {k for ks in holdings.values() for k in ks}
-        return holdings, dict(zip(keys, self.index.pairs_of(keys, default_pair)))

@@ -1,8 +1,8 @@
 """Soak: the embedded default under bounded concurrent load, with faults injected, then saturated.
 
-Starts Ray and the Serve app locally (dram small enough that the placement
-controller spills to nvme and pfs), computes every prompt's greedy answer in
-this process without any cache (the reference), then:
+Starts Ray and the Serve app locally (dram small enough that the control
+plane's policy demotes blocks to nvme and pfs), computes every prompt's greedy
+answer in this process without any cache (the reference), then:
 
 0. fault-free: the same clients for `--clean-seconds` with nothing injected;
    every corrupt read there is unexpected (`unexpected_corrupt`, must be 0: the
@@ -100,8 +100,7 @@ def start(tmp: str) -> str:
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
                        f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.004}}\n"
                        f"      - {{tier: nvme, capacity_gib: 0.01, path: {tmp}/nvme}}\n"
-                       f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n"
-                       "placement: {high_water: 0.5, low_water: 0.3, promote_above: 0.95}\n")
+                       f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": MODEL, "cluster": str(cluster), "replica_cpus": 0.5, "hbm_blocks": 64,

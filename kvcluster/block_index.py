@@ -37,7 +37,7 @@ class BlockIndex:
     def __init__(self) -> None:
         self._where: dict[BlockKey, set[Location]] = {}
         self._by_location: dict[Location, set[BlockKey]] = defaultdict(set)
-        self._pair: dict[BlockKey, int] = {}  # (block type, transition) pair, for the placement controller
+        self._pair: dict[BlockKey, int] = {}  # (block type, transition) pair as tiers report it; unread at present
 
     def stored(self, node: str, tier: str, keys: Iterable[BlockKey], pairs: Sequence[int] | None = None) -> None:
         loc = (node, tier)
@@ -82,13 +82,6 @@ class BlockIndex:
                 break
             locations.append(tuple(sorted(places, key=lambda loc: (order(loc[1]), loc[0]))))
         return PrefixMatch(len(locations), tuple(locations))
-
-    def holdings(self) -> dict[Location, list[BlockKey]]:
-        """Every (node, tier) and the keys it holds: the placement controller's view."""
-        return {loc: list(keys) for loc, keys in self._by_location.items() if keys}
-
-    def pairs_of(self, keys: Iterable[BlockKey], default: int) -> list[int]:
-        return [self._pair.get(k, default) for k in keys]
 
     def occupancy(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = defaultdict(dict)

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
 from .model_spec import load_model_spec
-from .placement import PlacementConfig
 from .predictor import PredictorConfig
 from .storage.layout import layout_for
 
@@ -46,7 +45,6 @@ class ClusterConfig(BaseModel):
     dtype: str | None = None
     checkpoint_dir: str = Field(description="Where the predictor checkpoints (on the shared filesystem).")
     nodes: list[NodeEntry] = Field(min_length=1)
-    placement: PlacementConfig = PlacementConfig()
     predictor: PredictorConfig = Field(PredictorConfig(), description="Priors and horizon of the cluster's "
                                        "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
     policy: str = Field(DEFAULT_POLICY, description="Eviction policy of every node's hierarchy, run by the control "

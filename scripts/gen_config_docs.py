@@ -56,8 +56,6 @@ SECTIONS = (
             Model("kvcluster.cluster_config:ClusterConfig", "The whole file."),
             Model("kvcluster.cluster_config:NodeEntry", "Each entry of `nodes`."),
             Model("kvcluster.cluster_config:TierEntry", "Each entry of a node's `tiers`."),
-            Model("kvcluster.placement:PlacementConfig", "`placement` of the cluster YAML; the placement "
-                                                         "controller actor plans its moves with it."),
         ),
     ),
     Section(
@@ -103,7 +101,6 @@ SECTIONS = (
 # What custom validators check (the models' own constraints are read from the fields).
 VALIDATOR_NOTES = {
     "NodeTiers": "tier names are unique and listed fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
-    "PlacementConfig": "`low_water` must be below `high_water`",
     "CompletionRequest.prompt": "token ids must be >= 0",
     "CompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
     "ChatCompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
@@ -134,7 +131,6 @@ FALLBACK_DESCRIPTIONS = {
     "ClusterConfig.block_tokens": "Tokens per KV block (the Serve app's `block_tokens` must match).",
     "ClusterConfig.dtype": "KV dtype of the block payload (default: the model's).",
     "ClusterConfig.nodes": "The Ray nodes that run tier actors.",
-    "ClusterConfig.placement": "Placement controller thresholds.",
     "NodeEntry.tiers": "Tiers of this node (hbm stays in the model replicas).",
     "TierEntry.tier": "Which backend: dram, cxl, nvme or pfs.",
     "TierEntry.capacity_gib": "Capacity in GiB, turned into block slots with the model's block payload.",

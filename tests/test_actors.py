@@ -95,28 +95,33 @@ def _try(fn):
         return None
 
 
-def test_placement_controller_spills_a_full_tier_without_losing_a_block(cluster_actors) -> None:
-    from kvcluster.actors.placement_actor import PlacementController
-
+def test_a_move_between_tiers_drops_the_source_only_for_verified_copies(cluster_actors) -> None:
+    """The control plane's mover within a node: `read_verified` at the source, `put_many` with those digests at
+    the destination, `delete` at the source only for what the destination acknowledged. A payload changed on
+    the way is refused there, so that block stays at its source: never in zero places, never wrong bytes."""
     index, _, dram, pfs = cluster_actors
-    keys = [bytes(k) for k in KeySpace(model="placement").chain_hash_ids(list(range(8)))]
+    keys = [bytes(k) for k in KeySpace(model="move").chain_hash_ids(list(range(8)))]
     assert ray.get(dram.put_many.remote(keys, [payload(40 + i) for i in range(8)])) == [True] * 8
-    wait_for(lambda: ray.get(index.longest_prefix.remote(keys)).length == 8)
-    controller = PlacementController.remote([("n0", "dram"), ("n0", "pfs")],
-                                            {"high_water": 0.8, "low_water": 0.5, "promote_above": 1.0})
-    done = ray.get(controller.step.remote())
-    assert done["spill"] == 4 and done["planned"] == 4  # 8 of 8 slots -> 4 (low water), the rest to pfs
+    payloads, digests = ray.get(dram.read_verified.remote(keys[:4]))
+    assert all(d is not None for d in digests)
+    payloads[0] = payloads[0].copy()
+    payloads[0][7] ^= 1  # changed after it was verified
+    acked = ray.get(pfs.put_many.remote(keys[:4], payloads, None, False, digests))
+    assert acked == [False, True, True, True]
+    assert ray.get(dram.delete.remote([k for k, ok in zip(keys[:4], acked) if ok])) == 3
     match = wait_for(lambda: (m := ray.get(index.longest_prefix.remote(keys))).length == 8
-                     and sum(("n0", "pfs") in locs and ("n0", "dram") not in locs for locs in m.locations) == 4 and m)
-    assert match.length == 8  # every block still held somewhere
-    got = ray.get(dram.get_many.remote(keys))
-    from_pfs = ray.get(pfs.get_many.remote([k for k, g in zip(keys, got) if g is None]))
-    assert len(from_pfs) == 4 and all(p is not None for p in from_pfs)
-    assert ray.get(controller.step.remote()) == {"planned": 0}  # idempotent: nothing left to do
+                     and sum(locs == (("n0", "pfs"),) for locs in m.locations) == 3 and m)
+    assert [locs == (("n0", "pfs"),) for locs in match.locations] == [False, True, True, True] + [False] * 4
+    in_dram = ray.get(dram.get_many.remote(keys))
+    in_pfs = ray.get(pfs.get_many.remote(keys[1:4]))
+    got = [in_dram[0], *in_pfs, *in_dram[4:]]
+    assert all(np.array_equal(g, payload(40 + i)) for i, g in enumerate(got))  # every block, exact, somewhere
+    assert ray.get(dram.delete.remote(keys)) == 5 and ray.get(pfs.delete.remote(keys)) == 3
 
 
 def test_prefetched_blocks_are_counted_as_hit_or_wasted(cluster_actors) -> None:
-    """Blocks the placement controller promotes are tracked until read (hit) or deleted unread (wasted)."""
+    """Blocks put with prefetch=True (promoted ahead of use) are tracked until read (hit) or deleted unread
+    (wasted). No live component issues such puts at present; only tests do."""
     _, _, dram, _ = cluster_actors
     keys = [bytes(k) for k in KeySpace(model="prefetch").chain_hash_ids(list(range(3)))]
     assert ray.get(dram.put_many.remote(keys, [np.zeros(4096, np.uint8)] * 3, None, True)) == [True] * 3

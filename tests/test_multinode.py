@@ -152,39 +152,41 @@ def test_cluster_cli_without_a_cluster_is_one_clear_line() -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_placement_controller_migrates_between_nodes_over_nixl(cluster) -> None:
-    """A session's blocks move from the head's dram to node B's dram: B's NIXL agent reads the head's slab."""
-    from kvcluster.actors.placement_actor import PlacementController
-    from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+def test_the_control_plane_migrates_a_block_between_nodes_over_nixl(cluster) -> None:
+    """Blocks computed on the head and then used by a replica on node B move to B's dram: B's NIXL agent reads
+    the head's slab into its own slots, then the head's copy goes (the block lives in one node's hierarchy)."""
+    from kvcluster.actors.control_plane_actor import CONTROL_NAME, ControlPlaneActor
 
-    c, _, node_b, tmp = cluster
+    _, _, node_b, _ = cluster
     head_id = ray.get_runtime_context().get_node_id()
-    names_free(INDEX_NAME, PREDICTOR_NAME, "kvcluster/h/dram", "kvcluster/b/dram")
+    names_free(INDEX_NAME, CONTROL_NAME, "kvcluster/h/dram", "kvcluster/b/dram")
     index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
-    predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "mig"))
     cfg = dict(slots=8, slot_bytes=1 << 16)
     head_dram = TierActor.options(name="kvcluster/h/dram", namespace=NAMESPACE, scheduling_strategy=pinned(head_id)
                                   ).remote(TierActorConfig(node="h", tier="dram", **cfg).model_dump())
     b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
                                scheduling_strategy=pinned(node_b.node_id)).remote(
         TierActorConfig(node="b", tier="dram", **cfg).model_dump())
-    data = [np.random.default_rng(10 + i).integers(0, 255, 40_000, dtype=np.uint8) for i in range(len(KEYS))]
-    assert ray.get(head_dram.put_many.remote(KEYS, data)) == [True] * 4
-    controller = PlacementController.remote([("h", "dram"), ("b", "dram")], {"high_water": 0.99, "low_water": 0.9})
-    ray.get(controller.migrate.remote(KEYS[:3], "b"))
-    done = ray.get(controller.step.remote(), timeout=120)
-    assert done["migrate"] == 3 and done["nixl_blocks"] == 3 and not done.get("object_store_blocks")
+    ray.get([head_dram.describe.remote(), b_dram.describe.remote()])  # named and up before the control plane looks
+    control = ControlPlaneActor.options(name=CONTROL_NAME, namespace=NAMESPACE).remote(
+        {"h": [("h/dram", "kvcluster/h/dram", 8)], "b": [("b/dram", "kvcluster/b/dram", 8)]}, "lru")
+    data = [np.random.default_rng(10 + i).integers(0, 255, 40_000, dtype=np.uint8) for i in range(3)]
+    assert ray.get(control.commit.remote("h", KEYS[:3], data), timeout=120) == 0  # computed on the head
+    assert all(np.array_equal(g, d) for g, d in zip(ray.get(head_dram.get_many.remote(KEYS[:3])), data))
+    assert ray.get(control.commit.remote("b", KEYS[:3], [None] * 3), timeout=120) == 0  # used by a replica on B
+    totals = ray.get(control.stats.remote())["totals"]
+    assert totals["pulled"] == 3 and totals["migrated"] == 3 and totals["failed"] == 0
     got = ray.get(b_dram.get_many.remote(KEYS[:3]))
     assert all(np.array_equal(g, d) for g, d in zip(got, data))  # checksummed bytes, moved node to node
+    assert ray.get(head_dram.get_many.remote(KEYS[:3])) == [None] * 3  # the source copy went after they landed
     stats = ray.get(b_dram.stats.remote())
     assert stats["nixl_pulled_blocks"] == 3 and stats["nixl_direct_reads"] == 1  # landed in B's own slots
     assert stats["blocks"] == 3 and stats["used_bytes"] == 3 * cfg["slot_bytes"]
     again = ray.get(b_dram.pull.remote("kvcluster/h/dram", KEYS[:3] + [b"\x07" * 16]), timeout=60)
     assert again == [True, True, True, None]  # already here: nothing moved; unknown at the source: None
     assert ray.get(b_dram.stats.remote())["blocks"] == 3
-    held = wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations)
-    assert ("b", "dram") in held[0] and ("h", "dram") in held[0]  # copy first: the source keeps its copy
-    del predictor
+    wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS[:3])).locations == ((("b", "dram"),),) * 3)
+    ray.kill(control)
 
 
 def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluster) -> None:
