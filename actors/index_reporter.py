@@ -1,9 +1,9 @@
 """What a tier holds, told to the index actor: the one place a tier's stored/removed/lost reports are sent from.
 
 Every report is one fire-and-forget batched call, so a put or a read never waits on
-the index; an empty batch sends nothing. The index is a hint for routing and
-placement, never the truth about bytes: a report that is lost costs a miss later,
-not wrong data.
+the index; an empty batch sends nothing. The index is a hint for routing and a
+replica's reads, never the truth about bytes: a report that is lost costs a miss
+later, not wrong data.
 """
 
 from __future__ import annotations

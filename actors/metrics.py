@@ -97,14 +97,16 @@ def tier_lookups() -> Counter:
 
 @lru_cache(maxsize=None)
 def bytes_moved() -> Counter:
-    return Counter("kvcluster_bytes_moved", "Block bytes moved between tiers (src -> dst, how: nixl, object_store, "
-                   "promote, write_through).", tag_keys=("src", "dst", "how"))
+    return Counter("kvcluster_bytes_moved", "Block bytes a replica moved (src -> dst; how: promote, a tier's blocks "
+                   "read into its hbm; commit, blocks it computed sent to the control plane).",
+                   tag_keys=("src", "dst", "how"))
 
 
 @lru_cache(maxsize=None)
 def overflows() -> Counter:
     return Counter("kvcluster_overflows", "New blocks a full tier handed to the next tier down on its node "
-                   "(written through before the placement controller made room).", tag_keys=("node", "tier"))
+                   "(a tier actor configured with `overflow`, given a put that asks for it).",
+                   tag_keys=("node", "tier"))
 
 
 @lru_cache(maxsize=None)
@@ -117,8 +119,9 @@ def evictions() -> Counter:
 
 @lru_cache(maxsize=None)
 def prefetches() -> Counter:
-    return Counter("kvcluster_prefetch", "Blocks promoted ahead of use by the placement controller: issued, then "
-                   "hit (read before leaving the tier) or wasted (deleted unread).", tag_keys=("outcome",))
+    return Counter("kvcluster_prefetch", "Blocks a tier stored as promoted ahead of use (a put or pull with "
+                   "prefetch=True), settled as hit (read before leaving the tier) or wasted (deleted unread).",
+                   tag_keys=("outcome",))
 
 
 @lru_cache(maxsize=None)

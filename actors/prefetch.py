@@ -1,9 +1,10 @@
 """Which blocks of a tier were promoted ahead of use and are not read yet.
 
-The placement controller promotes blocks it predicts will be reused; whether a
-prefetch paid off is known only later, at the tier: read while still there (a hit)
-or deleted unread (wasted). Those outcomes are what says if promotion is worth its
-bytes, so the tier tracks each promoted key until one of them happens.
+A caller that puts (or pulls) blocks into a tier with `prefetch=True` promotes
+them ahead of a predicted reuse; whether a prefetch paid off is known only later,
+at the tier: read while still there (a hit) or deleted unread (wasted). Those
+outcomes are what says if promotion is worth its bytes, so the tier tracks each
+promoted key until one of them happens.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Moving blocks between two Ray nodes: NIXL (rdma tier) vs the Ray object store (placement fallback).
+"""Moving blocks between two Ray nodes: NIXL (rdma tier) vs the Ray object store (the control plane's fallback).
 
 A `ray.cluster_utils.Cluster` with two worker nodes on this machine. Node A
 owns a NIXL-registered pool (`PeerPoolActor`) and a plain dram tier actor
 holding the same blocks. On node B, (1) the rdma tier actor reads them over
 NIXL (one control call + one NIXL transfer per batch), (2) B's dram tier actor
-`pull`s them from A's dram tier actor over NIXL into its own pool (what the
-placement controller does between nodes), (3) a dram tier actor pulls them as
-Ray objects (`get_many` on A, `put_many` on B: the controller's fallback), and
+`pull`s them from A's dram tier actor over NIXL into its own pool (how the
+control plane migrates a block from another node's memory tier), (3) a dram
+tier actor pulls them as Ray objects (`get_many` on A, `put_many` on B: the
+control plane's path for sources NIXL cannot serve), and
 (4) a bare Ray call returning the same bytes as one numpy array is the
 reference. UCX runs over loopback here, so this compares software paths,
 not an RDMA NIC.
@@ -124,7 +125,7 @@ def main() -> int:
     print(f"{args.blocks} blocks x {args.block_kib} KiB = {moved / 2**20:.0f} MiB from node A to node B, best of {args.repeat}")
     print("| path | GB/s | vs one raw Ray object |\n|---|---|---|")
     print(f"| NIXL (rdma tier, UCX loopback) | {report['nixl_gbps']:.2f} | {report['nixl_vs_raw']:.2f}x |")
-    print(f"| dram tier pull A -> B over NIXL (the controller's path) | {report['tier_pull_nixl_gbps']:.2f} | "
+    print(f"| dram tier pull A -> B over NIXL (the control plane's migrations) | {report['tier_pull_nixl_gbps']:.2f} | "
           f"{report['tier_pull_vs_raw']:.2f}x |")
     print(f"| Ray object store (get_many A -> put_many B) | {report['object_store_gbps']:.2f} | {report['object_store_vs_raw']:.2f}x |")
     print(f"| raw: one {moved / 2**20:.0f} MiB numpy array as a Ray object | {report['raw_ray_object_gbps']:.2f} | 1.00x |")

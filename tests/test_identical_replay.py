@@ -2,13 +2,13 @@
 
 The first records of the shared Mooncake trace, scaled down 16x in length (each 512-token
 hash block becomes 32 tokens, so shared hash ids are shared prefixes), run twice through a
-replica's store over real tier actors: a dram tier too small for them, so the placement
-controller demotes to nvme (the staged path payloads from the object store take) and spills
+replica's store over real tier actors: a dram tier too small for them, so the control
+plane's policy demotes to nvme (the staged path payloads from the object store take) and on
 to pfs. Once the first pass's writes and moves have settled, the second pass must find every
-whole block of each prompt but the one holding its last token (always computed): a block lost
-anywhere (a write refused, a demotion that dropped it, a corrupt read) cuts a conversation's
-reuse from there on. No prompt here is a whole number of blocks, so the second pass stores
-nothing and starts no moves that could race its reads.
+whole block of each prompt but the one holding its last token (always computed): a block
+lost anywhere (a write refused, a demotion that dropped it, a corrupt read) cuts a
+conversation's reuse from there on. No prompt here is a whole number of blocks, so the
+second pass stores nothing and starts no moves that could race its reads.
 """
 
 from __future__ import annotations

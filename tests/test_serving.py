@@ -177,8 +177,8 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     for prompt in prompts + prompts[:2]:  # distinct prompts overflow the 48-block hbm tier (evictions), so the
         # first ones come back from dram (tier hits); 20+ requests give a gap-to-Belady estimate
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-    # blocks promoted into the node's dram the way the placement controller does it (prefetch=True), then one
-    # read (a prefetch hit) and one deleted unread (wasted)
+    # blocks put into the node's dram as promoted ahead of use (prefetch=True; no live component issues such
+    # puts at present, so this test does), then one read (a prefetch hit) and two deleted unread (wasted)
     import numpy as np
 
     from kvcluster.actors.index_actor import NAMESPACE
