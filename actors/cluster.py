@@ -77,7 +77,7 @@ def up(cfg: ClusterConfig) -> dict:
     chains = {name: [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
               for name, chain in node_chains(cfg).items()}
     control = ControlPlaneActor.options(name=CONTROL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                        get_if_exists=True).remote(chains, cfg.policy)
+                                        get_if_exists=True).remote(chains, cfg.policy, None, slot_bytes)
     ray.get(control.stats.remote(), timeout=120)  # its view rebuilt from what the tiers already hold
     return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy}
 

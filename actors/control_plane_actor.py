@@ -10,6 +10,7 @@ requests here in one fire-and-forget call; the tiers make room only on its decis
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -53,18 +54,19 @@ class ActorTierIO:
         self._gather({t: self.actors[t].delete.remote(ks) for t, ks in keys.items()})
 
     def write(self, items):
-        # positional: keys, payloads, pairs, prefetch, digests, overflow (a mover never overflows: the
-        # plan's deletes made the room)
-        return self._gather({t: self.actors[t].put_many.remote(ks, ps, None, False, ds, False)
+        # positional: keys, payloads, pairs, prefetch, digests (the plan's deletes made the room)
+        return self._gather({t: self.actors[t].put_many.remote(ks, ps, None, False, ds)
                              for t, (ks, ps, ds) in items.items()})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ControlPlaneActor:
     def __init__(self, chains: dict[str, list[tuple[str, str, int]]], policy: str,
-                 policy_options: dict | None = None) -> None:
+                 policy_options: dict | None = None, block_bytes: int = 0) -> None:
         """`chains[node]`: that node's hierarchy as (label, tier actor name, capacity in blocks), fastest
-        first. On a restart it rebuilds its view from what the tier actors hold."""
+        first; `block_bytes`: a block's payload, for the bytes-moved metric. On a restart it rebuilds its
+        view from what the tier actors hold."""
+        self.block_bytes = block_bytes
         from .index_actor import NAMESPACE
 
         self.policy = policy
@@ -116,9 +118,34 @@ class ControlPlaneActor:
         when it read it). Places the request and moves the bytes; returns the blocks that failed."""
         self.requests += 1
         held = {k: (p, None) for k, p in zip(keys, payloads) if p is not None}
-        _, failed = self.caches.commit(node, keys, held, ctx)
+        migrating = {k for k in keys if k not in held and self.caches.managers[node].tier_of(k) is None}
+        plan, failed = self.caches.commit(node, keys, held, ctx)
         self.caches.managers[node].drain_events()
+        self._account(node, plan, set(failed), migrating)
         return len(failed)
+
+    def _account(self, node: str, plan, failed: set[bytes], migrating: set[bytes]) -> None:
+        """Bytes moved and evictions of one plan, per (source, destination) tier, in a few counter calls."""
+        labels = self.labels[node]
+        moved: Counter = Counter()
+        evicted: Counter = Counter()
+        for m in plan.moves:
+            if m.key in failed:
+                continue
+            if m.dst is None:
+                evicted[labels[m.src]] += 1
+                continue
+            if m.src is not None and m.dst > m.src:
+                evicted[labels[m.src]] += 1
+            how = "migrate" if m.key in migrating else "store" if m.src is None else \
+                "demote" if m.dst > m.src else "promote"
+            src = "replica" if how == "store" else "other node" if how == "migrate" else labels[m.src]
+            moved[(src, labels[m.dst], how)] += 1
+        for (src, dst, how), n in moved.items():
+            metrics.bytes_moved().inc(n * self.block_bytes, {"src": src, "dst": dst, "how": how})
+        for label, n in evicted.items():
+            where, tier = label.split("/", 1)
+            metrics.evictions().inc(n, {"node": where, "tier": tier, "unit": "block"})
 
     def serve(self, node: str, keys: list[bytes], payloads: list[np.ndarray], ctx: RequestContext | None = None
               ) -> tuple[list[int], list[np.ndarray]]:

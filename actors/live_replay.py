@@ -81,7 +81,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
         ray.get([a.describe.remote() for a in started[1:]], timeout=120)
         control = ControlPlaneActor.remote(
             {node.name: [(t.label, actor_name(node.name, t.tier.tier), cap) for t, cap in zip(chain, capacities)]},
-            policy)
+            policy, None, block_bytes)
         started.append(control)
         live = _drive(trace, control, node.name, len(chain), block_bytes, progress)
         stats = ray.get(control.stats.remote(), timeout=60)

@@ -97,16 +97,10 @@ def tier_lookups() -> Counter:
 
 @lru_cache(maxsize=None)
 def bytes_moved() -> Counter:
-    return Counter("kvcluster_bytes_moved", "Block bytes a replica moved (src -> dst; how: promote, a tier's blocks "
-                   "read into its hbm; commit, blocks it computed sent to the control plane).",
+    return Counter("kvcluster_bytes_moved", "Block bytes moved (src -> dst). how: promote, a tier's blocks read "
+                   "into a replica's hbm; commit, blocks a replica computed sent to the control plane; and the "
+                   "control plane's moves: store, demote, promote, migrate (between nodes).",
                    tag_keys=("src", "dst", "how"))
-
-
-@lru_cache(maxsize=None)
-def overflows() -> Counter:
-    return Counter("kvcluster_overflows", "New blocks a full tier handed to the next tier down on its node "
-                   "(a tier actor configured with `overflow`, given a put that asks for it).",
-                   tag_keys=("node", "tier"))
 
 
 @lru_cache(maxsize=None)

@@ -41,8 +41,6 @@ class TierActorConfig(BaseModel):
     slots: int = Field(gt=0, description="Blocks the tier holds (pfs: capacity in blocks).")
     slot_bytes: int = Field(gt=0, description="Bytes per block payload.")
     path: str | None = Field(None, description="Directory for nvme and pfs.")
-    overflow: str | None = Field(None, description="Actor name of the next tier down on this node: new blocks "
-                                 "this tier has no room for go there instead of being dropped.")
 
 
 def actor_name(node: str, tier: str) -> str:
@@ -99,41 +97,19 @@ class TierActor(PeerServer):
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
-                 prefetch: bool = False, digests: list[int | None] | None = None,
-                 overflow: bool = False) -> list[bool]:
+                 prefetch: bool = False, digests: list[int | None] | None = None) -> list[bool]:
         """Store blocks; `prefetch`: the caller promoted them here ahead of use (tracked until read or
         deleted); `digests`: the checksums the tier they were read from verified (see
-        `StorageBackend.put_many`).
-
-        `overflow`: blocks this tier refuses (full) are handed to the next tier down on this node
-        (`TierActorConfig.overflow`) in one fire-and-forget call, which may hand them on in turn, so
-        a writer whose put is its only copy loses none to a full tier. A mover (the control plane)
-        passes False: its plan's deletes made the room, and it keeps its source when a put is refused."""
+        `StorageBackend.put_many`). In a cluster the control plane is the writer: its plan's deletes
+        made the room, and it keeps a block's source when a put is refused."""
         ok = self._write(keys, payloads, digests)
         self._stored(keys, ok, pairs, prefetch)
-        if overflow and self.cfg.overflow is not None:
-            self._overflow(keys, payloads, pairs, digests, ok)
         return ok
 
     def _write(self, keys: list[bytes], payloads: list[np.ndarray], digests: list[int | None] | None) -> list[bool]:
         """Blocks into the backend; per key whether it took them. Puts and staged pulls both come here (a pull
         into a memory tier lands in reserved slots instead)."""
         return self.backend.put_many(list(zip(keys, payloads)), digests)
-
-    def _overflow(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None,
-                  digests: list[int | None] | None, ok: list[bool]) -> None:
-        """Hand the blocks this tier refused to the next tier down, fire and forget."""
-        refused = [i for i, good in enumerate(ok) if not good]
-        if not refused:
-            return
-        try:
-            below = ray.get_actor(self.cfg.overflow, namespace=NAMESPACE)
-        except ValueError:  # the tier below is gone: these blocks stay misses
-            self.metrics.fault("overflow_lost", len(refused))
-            return
-        below.put_many.remote(_pick(keys, refused), _pick(payloads, refused), _pick(pairs, refused), False,
-                              _pick(digests, refused), True)
-        self.metrics.overflowed(len(refused))
 
     def get_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
         return self.read_verified(keys)[0]

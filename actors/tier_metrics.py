@@ -18,7 +18,7 @@ class TierMetrics:
         self.where = f"{node}/{tier}"
 
     def fault(self, kind: str, n: int = 1) -> None:
-        """`n` faults absorbed as misses (kind: restarted, put_refused, overflow_lost, corrupt, ...)."""
+        """`n` faults absorbed as misses (kind: restarted, put_refused, corrupt, ...)."""
         if n > 0:
             metrics.faults().inc(n, {"component": self.where, "kind": kind})
 
@@ -33,11 +33,6 @@ class TierMetrics:
         if corrupt > 0:
             lookups.inc(corrupt, {**self.tags, "outcome": "corrupt"})
             self.fault("corrupt", corrupt)
-
-    def overflowed(self, n: int) -> None:
-        """`n` new blocks this full tier handed to the next tier down."""
-        if n > 0:
-            metrics.overflows().inc(n, dict(self.tags))
 
     def prefetch(self, outcome: str, n: int) -> None:
         """`n` prefetched blocks settled here: hit (read) or wasted (deleted unread)."""

@@ -189,7 +189,7 @@ def test_metrics_endpoint_shows_the_cache_after_traffic(client):
     assert ray.get(dram.put_many.remote(promoted, [np.zeros(4096, np.uint8)] * 3, None, True)) == [True] * 3
     ray.get(dram.get_many.remote(promoted[:1]))
     ray.get(dram.delete.remote(promoted[1:]))
-    details = ['tier="dram"', 'outcome="hit"', 'how="write_through"', 'status="200"', 'outcome="wasted"',
+    details = ['tier="dram"', 'outcome="hit"', 'how="store"', 'status="200"', 'outcome="wasted"',
                'unit="block"', 'unit="head_shard"']
 
     def scrape_until_complete(timeout_s: float) -> tuple[list, str]:
