@@ -142,7 +142,8 @@ class ControlPlaneActor:
             src = "replica" if how == "store" else "other node" if how == "migrate" else labels[m.src]
             moved[(src, labels[m.dst], how)] += 1
         for (src, dst, how), n in moved.items():
-            metrics.bytes_moved().inc(n * self.block_bytes, {"src": src, "dst": dst, "how": how})
+            if self.block_bytes > 0:  # unknown block size (a bare control plane): blocks still count as evictions
+                metrics.bytes_moved().inc(n * self.block_bytes, {"src": src, "dst": dst, "how": how})
         for label, n in evicted.items():
             where, tier = label.split("/", 1)
             metrics.evictions().inc(n, {"node": where, "tier": tier, "unit": "block"})

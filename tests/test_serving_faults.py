@@ -96,8 +96,8 @@ def test_control_plane_killed_mid_load_rebuilds_its_view_from_the_tiers(endpoint
 
     def agree():  # between two commits still queued from the load, bookkeeping and bytes match exactly
         occupancy = ray.get(control.stats.remote(), timeout=60)["nodes"]["n0"]["occupancy"]
-        held = {f"n0/{t}": ray.get(ray.get_actor(f"kvcluster/n0/{t}", namespace=NAMESPACE).describe.remote(),
-                                   timeout=60)["used_blocks"] for t in ("dram", "nvme", "pfs")}
+        held = {label: ray.get(ray.get_actor(f"kvcluster/{label}", namespace=NAMESPACE).describe.remote(),
+                               timeout=60)["used_blocks"] for label in occupancy}
         return occupancy == held or (occupancy, held)
 
     deadline, seen = time.monotonic() + 30, None
