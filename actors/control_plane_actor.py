@@ -10,6 +10,7 @@ requests here in one fire-and-forget call; the tiers make room only on its decis
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Mapping, Sequence
 
@@ -23,6 +24,7 @@ from kvcluster.simulator import TierPlan
 from . import metrics
 from .peer_server import MEMORY_TIERS
 
+log = logging.getLogger(__name__)
 CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
 CALL_TIMEOUT_S = 120.0
 
@@ -41,22 +43,34 @@ class ActorTierIO:
         return self.names[tier] if self.names[tier].rsplit("/", 1)[-1] in MEMORY_TIERS else None
 
     def pull(self, tier: int, source: str, keys: list[bytes]) -> list[bool | None]:
-        return ray.get(self.actors[tier].pull.remote(source, keys), timeout=CALL_TIMEOUT_S)
+        got = self._gather({tier: self.actors[tier].pull.remote(source, keys)}, lambda t: [None] * len(keys))
+        return got[tier]
 
-    def _gather(self, calls: dict[int, ray.ObjectRef]) -> dict:
-        tiers = list(calls)
-        return dict(zip(tiers, ray.get([calls[t] for t in tiers], timeout=CALL_TIMEOUT_S)))
+    def _gather(self, calls: dict[int, ray.ObjectRef], failed) -> dict:
+        """Each tier's answer; a tier actor that died or timed out answers `failed(tier)` (nothing read,
+        nothing written), so the rest of the plan still runs and the manager learns which blocks missed.
+        A round that raised halfway would leave the tiers and the bookkeeping apart."""
+        out = {}
+        for tier, ref in calls.items():
+            try:
+                out[tier] = ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("tier actor %s unavailable (%s): its part of the plan is a miss", self.names[tier],
+                            type(exc).__name__)
+                out[tier] = failed(tier)
+        return out
 
     def read(self, keys: Mapping[int, list[bytes]], out=None):
-        return self._gather({t: self.actors[t].read_verified.remote(ks) for t, ks in keys.items()})
+        return self._gather({t: self.actors[t].read_verified.remote(ks) for t, ks in keys.items()},
+                            lambda t: ([None] * len(keys[t]), [None] * len(keys[t])))
 
     def delete(self, keys: Mapping[int, list[bytes]]) -> None:
-        self._gather({t: self.actors[t].delete.remote(ks) for t, ks in keys.items()})
+        self._gather({t: self.actors[t].delete.remote(ks) for t, ks in keys.items()}, lambda t: 0)
 
     def write(self, items):
         # positional: keys, payloads, pairs, prefetch, digests (the plan's deletes made the room)
         return self._gather({t: self.actors[t].put_many.remote(ks, ps, None, False, ds)
-                             for t, (ks, ps, ds) in items.items()})
+                             for t, (ks, ps, ds) in items.items()}, lambda t: [False] * len(items[t][0]))
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)

@@ -8,7 +8,7 @@ answer in this process without any cache (the reference), then:
    every corrupt read there is unexpected (`unexpected_corrupt`, must be 0: the
    demotions to nvme and pfs this load causes must never lose a block);
 1. load: `--clients` asyncio clients send multi-turn prompts (shared prefixes)
-   for `--seconds`; during it the dram tier actor, the predictor actor and the
+   for `--seconds`; during it the dram tier actor, the predictor actor, the control plane and the
    model replica are killed, and the pfs block files are corrupted; each fault
    reports the corrupt reads counted after it, per tier, and only the pfs
    corruption may cause any (others add to `unexpected_corrupt`);
@@ -48,6 +48,7 @@ import ray  # noqa: E402
 from harness import JsonOutput  # noqa: E402
 from ray import serve  # noqa: E402
 
+from kvcluster.actors.control_plane_actor import CONTROL_NAME  # noqa: E402
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.cli import _non_negative_float, positive_int  # noqa: E402
@@ -98,8 +99,8 @@ def start(tmp: str) -> str:
              log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
     cluster = Path(tmp) / "cluster.yaml"
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
-                       f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.004}}\n"
-                       f"      - {{tier: nvme, capacity_gib: 0.01, path: {tmp}/nvme}}\n"
+                       f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.001}}\n"
+                       f"      - {{tier: nvme, capacity_gib: 0.001, path: {tmp}/nvme}}\n"
                        f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -201,6 +202,8 @@ async def load_phase(url: str, prompt_list: list[str], expected: dict, seconds: 
                                                           no_restart=False)),
                 ("kill predictor actor", lambda: ray.kill(ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE),
                                                           no_restart=False)),
+                ("kill the control plane", lambda: ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE),
+                                                            no_restart=False)),
                 ("corrupt every pfs block file", lambda: corrupt_pfs(tmp)),
                 ("kill the model replica", lambda: ray.kill(replica_handle(), no_restart=True))]
         gap = seconds / (len(plan) + 1)

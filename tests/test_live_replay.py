@@ -80,3 +80,30 @@ def test_bad_live_options_are_refused_by_name(mooncake, argv, message: str) -> N
     run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(mooncake), "--live", "--max-records", "5",
                           *argv], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+def test_a_dead_tier_actor_fails_its_part_of_a_plan_without_stopping_the_rest(own_ray) -> None:
+    """A round that raised halfway would leave tiers and bookkeeping apart: a dead tier answers "nothing"."""
+    import numpy as np
+
+    from kvcluster.actors.control_plane_actor import ActorTierIO
+    from kvcluster.actors.deploy import start_tier_actor
+    from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor
+    from kvcluster.actors.tier_actor import TierActorConfig
+
+    index = IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote()
+    here = ray.get_runtime_context().get_node_id()
+    alive, dead = (start_tier_actor(TierActorConfig(node=n, tier="dram", slots=4, slot_bytes=4096), here)
+                   for n in ("io-a", "io-b"))
+    io = ActorTierIO([alive, dead], ["kvcluster/io-a/dram", "kvcluster/io-b/dram"])
+    ray.get([alive.describe.remote(), dead.describe.remote()])
+    ray.kill(dead, no_restart=True)
+    k = block_key(1)
+    data = block_payload(k, 4096)
+    assert io.write({0: ([k], [data], [None]), 1: ([k], [data], [None])}) == {0: [True], 1: [False]}
+    got = io.read({0: [k], 1: [k]})
+    assert np.array_equal(got[0][0][0], data) and got[1] == ([None], [None])
+    io.delete({0: [k], 1: [k]})  # no exception from the dead one
+    assert io.read({0: [k]})[0][0] == [None]
+    for actor in (alive, index):
+        ray.kill(actor, no_restart=True)
