@@ -24,8 +24,9 @@ class PeerServer:
     reporter: IndexReporter
 
     def _lend(self) -> NixlPeerPool:
-        """The pool this actor lends to other nodes (raise ValueError where it lends none)."""
-        raise NotImplementedError
+        """The pool this actor lends to other nodes (raise ValueError where it lends none). Every actor
+        class built on `PeerServer` defines it (`TierActor`, `PeerPoolActor`)."""
+        raise TypeError(f"{type(self).__name__} builds on PeerServer but does not say which pool it lends")
 
     def _looked_up(self, keys: list[bytes], entries: list[tuple[int, int, int] | None]) -> None:
         """A reader looked `keys` up and reads the ones found next (default: nothing to account)."""

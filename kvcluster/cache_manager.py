@@ -46,26 +46,21 @@ class StorePlan:
 
     def by_source(self) -> dict[int, list[bytes]]:
         """Keys to read, per source tier (moves that land somewhere)."""
-        out: dict[int, list[bytes]] = {}
-        for m in self.moves:
-            if m.src is not None and m.dst is not None:
-                out.setdefault(m.src, []).append(m.key)
-        return out
+        return _group((m.src, m.key) for m in self.moves if m.src is not None and m.dst is not None)
 
     def deletes(self) -> dict[int, list[bytes]]:
         """Keys that leave each tier: removed before anything is written, which makes the room."""
-        out: dict[int, list[bytes]] = {}
-        for m in self.moves:
-            if m.src is not None:
-                out.setdefault(m.src, []).append(m.key)
-        return out
+        return _group((m.src, m.key) for m in self.moves if m.src is not None)
 
     def writes(self) -> dict[int, list[Move]]:
-        out: dict[int, list[Move]] = {}
-        for m in self.moves:
-            if m.dst is not None:
-                out.setdefault(m.dst, []).append(m)
-        return out
+        return _group((m.dst, m) for m in self.moves if m.dst is not None)
+
+
+def _group(pairs: Iterable[tuple[int, object]]) -> dict:
+    out: dict = {}
+    for tier, item in pairs:
+        out.setdefault(tier, []).append(item)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

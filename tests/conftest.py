@@ -10,6 +10,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A model test's timings and outputs on one torch thread (the CI machine has two cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def endpoint():
     """The shared Serve endpoint (tests/serving_support.py), started on first use."""

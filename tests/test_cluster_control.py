@@ -130,3 +130,19 @@ def test_a_restarted_tier_is_resynced_to_what_it_holds_now() -> None:
     assert caches.resync("a", 0, [ks[2]]) == []
     assert [caches.managers["a"].tier_of(k) for k in ks] == [None, None, 0]
     assert_match(caches, io)
+
+
+def test_the_cluster_policy_is_an_online_policy_named_by_its_field(tmp_path) -> None:
+    import pytest
+
+    from kvcluster.cluster_config import load_cluster_config
+    from kvcluster.errors import ConfigError
+
+    assert two_nodes().policy == "bayes"  # the default is what `kvcluster replay` runs by default
+    base = two_nodes().model_dump(mode="json")
+    for policy, why in (("belady", "reads the future"), ("fifo-ish", "unknown policy")):
+        path = tmp_path / f"{policy}.yaml"
+        path.write_text(__import__("yaml").safe_dump({**base, "policy": policy}))
+        with pytest.raises(ConfigError) as err:
+            load_cluster_config(str(path))
+        assert "policy" in str(err.value) and why in str(err.value)

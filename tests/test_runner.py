@@ -20,12 +20,7 @@ MODELS = ["kvcluster-tiny-llama", "kvcluster-tiny-sliding", "kvcluster-tiny-mla"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=MODELS + ["kvcluster-tiny-llama:bf16"])
