@@ -10,6 +10,7 @@ before its body is read. Unit tests pin the encoder's bound and the key check.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import statistics
 import time
 
@@ -47,15 +48,29 @@ def _post(url: str, body, headers: dict | None = None) -> tuple[int, float, dict
     return r.status_code, time.perf_counter() - t0, r.json() if r.content else {}
 
 
+def _trickled(body: bytes, seconds: float, pieces: int = 64):
+    """`body` as a chunked upload spread over `seconds`: the request is in flight at least that long."""
+    step = -(-len(body) // pieces)
+    for i in range(0, len(body), step):
+        yield body[i:i + step]
+        time.sleep(seconds / pieces)
+
+
 def test_small_completion_stays_fast_while_a_16mb_prompt_is_in_flight(roomy):
+    """Small completions sent while a 16 MB prompt uploads, is parsed and is refused keep near their idle latency.
+
+    The big body is trickled over two seconds so that many small requests overlap it whatever the machine's
+    speed. A request that stalls the ingress shows in the slowest small request: tokenizing the 16 MB prompt on
+    the event loop took 13 s. The rest of its cost (the Serve proxy relaying 16 MB, the JSON parse) is CPU the
+    small requests share on a small machine, hence bounds in multiples of the idle latency, not equality."""
     url = f"{roomy}/v1/completions"
     for _ in range(2):
         _post(url, SMALL)  # warm the path
     idle = statistics.median(_post(url, SMALL)[1] for _ in range(5))
-    huge = {"model": MODEL, "prompt": "scale " * ((16 << 20) // 6), "max_tokens": 5}
+    huge = json.dumps({"model": MODEL, "prompt": "scale " * ((16 << 20) // 6), "max_tokens": 5}).encode()
     with cf.ThreadPoolExecutor(1) as pool:
-        big = pool.submit(_post, url, huge)
-        time.sleep(0.2)  # the 16 MB body is being sent and read
+        big = pool.submit(_post, url, _trickled(huge, 2.0))
+        time.sleep(0.2)
         busy = []
         while not big.done() or not busy:
             code, latency, out = _post(url, SMALL)
@@ -64,7 +79,9 @@ def test_small_completion_stays_fast_while_a_16mb_prompt_is_in_flight(roomy):
         code, big_latency, err = big.result()
     assert code == 400 and err["error"]["param"] == "prompt" and err["error"]["code"] == "context_length_exceeded"
     print(f"idle {idle:.3f} s; beside the 16 MB prompt ({big_latency:.2f} s to its 400): {busy}")
-    assert max(busy) <= 2 * idle + 0.5, (idle, busy, big_latency)
+    assert big_latency >= 2.0 and len(busy) >= 3, (big_latency, busy)  # they did overlap
+    assert statistics.median(busy) <= 2 * idle + 0.2, (idle, busy, big_latency)
+    assert max(busy) <= 2 * idle + 1.5, (idle, busy, big_latency)
 
 
 def test_body_over_the_limit_gets_413_within_a_second(endpoint):
