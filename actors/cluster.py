@@ -12,7 +12,8 @@ from kvcluster.errors import ConfigError, KvclusterError
 from kvcluster.tiers import TIER_ORDER
 
 from .deploy import start_global_actors, start_tier_actor
-from .index_actor import INDEX_NAME, NAMESPACE
+from .index_actor import NAMESPACE, shard_name
+from .index_client import IndexClient
 from .control_plane_actor import CONTROL_NAME, ControlPlaneActor
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
@@ -65,7 +66,7 @@ def up(cfg: ClusterConfig) -> dict:
     tier only ever receives writes it has room for."""
     alive = [n for n in ray.nodes() if n["Alive"]]
     pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
-    start_global_actors(cfg.checkpoint_dir, predictor_config=cfg.predictor.model_dump())
+    start_global_actors(cfg.checkpoint_dir, predictor_config=cfg.predictor.model_dump(), index_shards=cfg.index_shards)
     slot_bytes = cfg.block_bytes()
     started, handles = [], []
     for node in cfg.nodes:
@@ -101,18 +102,29 @@ def status(cfg: ClusterConfig) -> dict:
         except ray.exceptions.RayError as exc:
             row["state"] = f"unavailable ({type(exc).__name__})"
     out: dict = {"tiers": rows}
-    for key, name, method in (("index", INDEX_NAME, "occupancy"), ("control", CONTROL_NAME, "stats")):
-        try:
-            out[key] = ray.get(getattr(ray.get_actor(name, namespace=NAMESPACE), method).remote(), timeout=30)
-        except ValueError:
-            out[key] = None
+    try:
+        out["index"] = IndexClient.connect(timeout_s=30).occupancy(timeout_s=30)
+    except ValueError:
+        out["index"] = None
+    try:
+        out["control"] = ray.get(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE).stats.remote(), timeout=30)
+    except ValueError:
+        out["control"] = None
     return out
+
+
+def _running_shards(cfg: ClusterConfig) -> int:
+    """The running index's shard count (a config edited since `up` may say otherwise)."""
+    try:
+        return ray.get(ray.get_actor(shard_name(0), namespace=NAMESPACE).shard_count.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayError):
+        return cfg.index_shards
 
 
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
     names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
-    names += [CONTROL_NAME, PREDICTOR_NAME, INDEX_NAME]
+    names += [CONTROL_NAME, PREDICTOR_NAME] + [shard_name(i) for i in range(_running_shards(cfg))]
     killed = []
     for name in names:
         try:

@@ -15,7 +15,8 @@ import ray
 
 from kvcluster.storage import NixlPeerPool, RDMABackend
 
-from .index_actor import INDEX_NAME, NAMESPACE
+from .index_actor import NAMESPACE
+from .index_client import IndexClient
 from .index_reporter import IndexReporter
 from .peer_control import ActorPeerControl
 from .peer_server import PeerServer
@@ -26,7 +27,7 @@ class PeerPoolActor(PeerServer):
     def __init__(self, node: str, slots: int, slot_bytes: int) -> None:
         self.node = node
         self.pool = NixlPeerPool(slots, slot_bytes, name=f"kvc-pool-{node}")
-        self.reporter = IndexReporter(ray.get_actor(INDEX_NAME, namespace=NAMESPACE), node, "dram")
+        self.reporter = IndexReporter(IndexClient.connect(), node, "dram")
         self.reporter.lost()
 
     def _lend(self) -> NixlPeerPool:

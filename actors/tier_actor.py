@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvcluster.keys import BlockKey
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, cxl_backend, dram_backend
 
-from .index_actor import INDEX_NAME, NAMESPACE
+from .index_actor import NAMESPACE
+from .index_client import IndexClient
 from .index_reporter import IndexReporter
 from .nixl_pull import NixlPuller
 from .peer_server import MEMORY_TIERS, PeerServer
@@ -69,7 +70,7 @@ class TierActor(PeerServer):
     def __init__(self, config: dict) -> None:
         self.cfg = TierActorConfig.model_validate(config)
         self.backend = _backend(self.cfg)
-        self.reporter = IndexReporter(ray.get_actor(INDEX_NAME, namespace=NAMESPACE), self.cfg.node, self.cfg.tier)
+        self.reporter = IndexReporter(IndexClient.connect(), self.cfg.node, self.cfg.tier)
         self.metrics = TierMetrics(self.cfg.node, self.cfg.tier)
         self.prefetched = PrefetchTracker()
         self._nixl: NixlPeerPool | None = None

@@ -83,6 +83,16 @@ class BlockIndex:
             locations.append(tuple(sorted(places, key=lambda loc: (order(loc[1]), loc[0]))))
         return PrefixMatch(len(locations), tuple(locations))
 
+    def locate(self, keys: Sequence[BlockKey]) -> list[tuple[Location, ...]]:
+        """Every (node, tier) holding each key, fastest first; () for a key held nowhere. Unlike
+        `longest_prefix` it does not stop at the first miss: a shard holds only some of a prefix."""
+        order = TIER_ORDER.index
+        return [tuple(sorted(self._where.get(key, ()), key=lambda loc: (order(loc[1]), loc[0]))) for key in keys]
+
+    def listing(self) -> list[tuple[str, str, list[BlockKey]]]:
+        """What every location holds: the snapshot a read-only copy starts from."""
+        return [(node, tier, list(keys)) for (node, tier), keys in self._by_location.items() if keys]
+
     def occupancy(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = defaultdict(dict)
         for (node, tier), keys in self._by_location.items():
@@ -98,3 +108,29 @@ class BlockIndex:
         for loc, keys in self._by_location.items():
             for key in keys:
                 assert loc in self._where[key]
+
+
+def shard_of(key: BlockKey, shards: int) -> int:
+    """The index shard owning `key`. Keys are uniform digests, so their leading bytes spread evenly; every
+    process computes the same shard (no per-process hash seed)."""
+    return int.from_bytes(key[:8], "little") % shards
+
+
+def split_by_shard(keys: Sequence[BlockKey], shards: int) -> dict[int, tuple[list[int], list[BlockKey]]]:
+    """Shard -> (positions in `keys`, those keys): one batch per shard that owns any of them."""
+    out: dict[int, tuple[list[int], list[BlockKey]]] = {}
+    for pos, key in enumerate(keys):
+        positions, owned = out.setdefault(shard_of(key, shards), ([], []))
+        positions.append(pos)
+        owned.append(key)
+    return out
+
+
+def merge_prefix(count: int, parts: Iterable[tuple[list[int], list[tuple[Location, ...]]]]) -> PrefixMatch:
+    """The longest prefix of `count` keys from each shard's `locate` answer for the positions it owns."""
+    located: list[tuple[Location, ...]] = [()] * count
+    for positions, answers in parts:
+        for pos, locs in zip(positions, answers):
+            located[pos] = locs
+    length = next((i for i, locs in enumerate(located) if not locs), count)
+    return PrefixMatch(length, tuple(located[:length]))

@@ -47,6 +47,8 @@ class ClusterConfig(BaseModel):
     nodes: list[NodeEntry] = Field(min_length=1)
     predictor: PredictorConfig = Field(PredictorConfig(), description="Priors and horizon of the cluster's "
                                        "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
+    index_shards: int = Field(1, ge=1, le=64, description="Actors the global block index is split over by key "
+                              "hash; a lookup is one batched call per shard, issued together.")
     policy: str = Field(DEFAULT_POLICY, description="Eviction policy of every node's hierarchy, run by the control "
                         "plane actor (the one `kvcluster replay --policy` measures); an online policy.")
 

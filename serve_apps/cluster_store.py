@@ -25,7 +25,8 @@ import ray
 
 from kvcluster.actors import metrics
 from kvcluster.actors.control_plane_actor import CONTROL_NAME
-from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
+from kvcluster.actors.index_actor import NAMESPACE
+from kvcluster.actors.index_client import IndexClient, LocalIndex
 from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
@@ -44,14 +45,14 @@ NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through th
 
 class ClusterBlockStore:
     def __init__(self, hbm: LocalBlockStore, node: str | None, timeout_s: float = 10.0,
-                 nixl_staging_bytes: int | None = 32 << 20):
+                 nixl_staging_bytes: int | None = 32 << 20, index: IndexClient | LocalIndex | None = None):
         """`nixl_staging_bytes`: memory tiers are read over NIXL through a staging buffer of this size (one
         lookup call, then the bytes straight from the tier's slab); None reads them with `get_many` through
-        the Ray object store."""
+        the Ray object store. `index`: how lookups reach the block index (default: remote, every shard asked)."""
         self.hbm = hbm
         self.node = node
         self.timeout_s = timeout_s
-        self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+        self.index = index if index is not None else IndexClient.connect()
         self.predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
         self._actors: dict[tuple[str, str], object] = {}
         self._nixl_staging = nixl_staging_bytes
@@ -75,7 +76,7 @@ class ClusterBlockStore:
         if not rest:
             return local
         try:
-            match: PrefixMatch = ray.get(self.index.longest_prefix.remote(rest), timeout=self.timeout_s)
+            match: PrefixMatch = self.index.longest_prefix(rest, timeout_s=self.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("index unavailable (%s): serving the hbm run only", type(exc).__name__)
             self.counters["remote_failures"] += 1

@@ -30,6 +30,10 @@ class ServeAppConfig(BaseModel):
                                                      "None: the replica's hbm tier only.")
     start_cluster: bool = Field(True, description="The app builder starts the cluster's cache actors (idempotent) "
                                 "before any replica; false: they must already run (`kvcluster cluster up`).")
+    index_refresh_s: float | None = Field(None, gt=0, description="Keep a read-only copy of the block index in "
+                                          "the ingress and each replica, refreshed this often (seconds): a lookup "
+                                          "costs no remote call, and sees changes up to this late (a block stored "
+                                          "since is recomputed). None: ask the index shards per request.")
     torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
                                                     "busy small machines).")
     replica_cpus: float = Field(1.0, ge=0)

@@ -22,7 +22,7 @@ from ray import serve
 from starlette.background import BackgroundTask
 
 from kvcluster.actors.cluster import node_ids
-from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE
+from kvcluster.actors.index_client import open_index
 from kvcluster.keys import KeySpace
 from kvcluster.serving.chat import reusable_segments
 from kvcluster.serving.models import model_fingerprint, load_model_tokenizer
@@ -93,7 +93,7 @@ class OpenAIIngress:
         app.state.guard = GuardSettings(self.cfg.max_request_bytes, self.cfg.request_body_timeout_s, self.api_keys)
         self.encoder = PromptEncoder(self.tokenizer, self.window, self.cfg.tokenizer_threads)
         self.cluster = cache_cluster(self.cfg)
-        self.index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE) if self.cluster else None
+        self.index = open_index(self.cfg.index_refresh_s) if self.cluster else None
         self._node_ids: dict[str, str] = {}
         self._node_ids_at = 0.0
         self.inflight = 0
@@ -298,7 +298,7 @@ class OpenAIIngress:
         if not keys:
             return None
         try:
-            match = await self.index.longest_prefix.remote(keys)
+            match = await self.index.longest_prefix_async(keys)
         except ray.exceptions.RayError:
             return None
         name = match.best_node()

@@ -19,6 +19,7 @@ import torch
 from ray import serve
 
 from kvcluster.actors.cluster import node_ids
+from kvcluster.actors.index_client import open_index
 from kvcluster.belady_gap import BeladyGapEstimator
 from kvcluster.cluster_config import DEFAULT_POLICY, load_cluster_config
 from kvcluster.serving.block_store import LocalBlockStore
@@ -62,7 +63,8 @@ class KVReplica:
             here = ray.get_runtime_context().get_node_id()
             self.node = next((name for name, nid in node_ids(cluster).items() if nid == here), None)
             staging = max(32 << 20, 8 * block) if self.cfg.nixl_fetch else None
-            runner.store = ClusterBlockStore(hbm, self.node, nixl_staging_bytes=staging)
+            runner.store = ClusterBlockStore(hbm, self.node, nixl_staging_bytes=staging,
+                                             index=open_index(self.cfg.index_refresh_s))
         else:
             runner.store = hbm
         self.runner = runner

@@ -172,3 +172,37 @@ def test_a_replica_reads_dram_over_nixl_and_a_restarted_tier_is_a_miss_then_refi
     got, store = fetch()  # a new reader connects to the new slab
     assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
     ray.get(dram.delete.remote(keys))
+
+
+def test_a_sharded_index_answers_as_one_and_a_local_copy_follows_it(ray_session) -> None:
+    """Three shards (own namespace): tier reports split by key hash, one lookup merges every shard's answer;
+    a LocalIndex copy sees the same after a refresh, and a second start asking for another shard count is
+    refused by name."""
+    from kvcluster.actors.index_client import IndexClient, LocalIndex
+    from kvcluster.block_index import shard_of
+    from kvcluster.errors import ConfigError
+
+    ns = "kvc-shards"
+    start_global_actors(os.path.join(ray_session, "shards"), namespace=ns, index_shards=3)
+    client = IndexClient.connect(namespace=ns)
+    keys = [bytes(k) for k in KeySpace(model="shards").chain_hash_ids(list(range(12)))]
+    assert client.shards == 3 and len({shard_of(k, 3) for k in keys}) == 3
+    client.stored("n0", "dram", keys[:8])
+    client.stored("n1", "pfs", keys[:4])
+    match = wait_for(lambda: (m := client.longest_prefix(keys, timeout_s=10)).length == 8
+                     and len(m.locations[0]) == 2 and m)
+    assert match.locations[:4] == ((("n0", "dram"), ("n1", "pfs")),) * 4 and match.best_node() == "n0"
+    assert client.occupancy() == {"n0": {"dram": 8}, "n1": {"pfs": 4}}
+    local = LocalIndex(client, refresh_s=3600)  # refreshed by hand below
+    try:
+        assert local.longest_prefix(keys) == match
+        client.removed("n0", "dram", keys[2:3])
+        ray.get(client.lost("n1"))
+        wait_for(lambda: client.longest_prefix(keys, timeout_s=10).length == 2)
+        assert local.longest_prefix(keys).length == 8  # not refreshed yet: the copy lags, by design
+        local.refresh()
+        assert local.longest_prefix(keys) == client.longest_prefix(keys) and local.longest_prefix(keys).length == 2
+    finally:
+        local.close()
+    with pytest.raises(ConfigError, match="index_shards: the running index has 3 shards"):
+        start_global_actors(os.path.join(ray_session, "shards"), namespace=ns, index_shards=2)

@@ -30,22 +30,14 @@ def test_a_prefetch_is_settled_once_as_hit_or_wasted() -> None:
     assert tracker.read(iter(KEYS)) == 1 and len(tracker) == 0
 
 
-class _Call:
-    def __init__(self, calls: list, name: str) -> None:
-        self.calls, self.name = calls, name
-
-    def remote(self, *args) -> None:
-        self.calls.append((self.name, *args))
-
-
 class FakeIndex:
     """Records the calls an IndexReporter makes, in order."""
 
     def __init__(self) -> None:
         self.calls: list = []
 
-    def __getattr__(self, name: str) -> _Call:
-        return _Call(self.calls, name)
+    def __getattr__(self, name: str):
+        return lambda *args: self.calls.append((name, *args))
 
 
 def test_index_reports_are_batched_and_an_empty_batch_sends_nothing() -> None:
