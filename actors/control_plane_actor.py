@@ -162,6 +162,13 @@ class ControlPlaneActor:
             where, tier = label.split("/", 1)
             metrics.evictions().inc(n, {"node": where, "tier": tier, "unit": "block"})
 
+    def prefetch(self, node: str, keys: list[bytes], ctx: RequestContext | None = None) -> int:
+        """A request queued for `node` (the ingress saw it wait, or a replay's look-ahead): lift its held
+        prefix into the node's first tier before it runs. Returns the blocks promoted."""
+        promoted = self.caches.prefetch(node, keys, ctx)
+        self.caches.managers[node].drain_events()
+        return promoted
+
     def serve(self, node: str, keys: list[bytes], payloads: list[np.ndarray], ctx: RequestContext | None = None
               ) -> tuple[list[int], list[np.ndarray]]:
         """A replay's request: the verified cached run on `node` (tier index and bytes of each block), then

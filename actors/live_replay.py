@@ -49,8 +49,12 @@ def block_payload(key: bytes, nbytes: int) -> np.ndarray:
 
 def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                 capacities: list[int] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                progress: Callable[[int], None] | None = None) -> dict:
-    """Replay `trace` through the live control plane; returns the live result and the simulated one."""
+                progress: Callable[[int], None] | None = None, prefetch_lead_s: float = 0.0) -> dict:
+    """Replay `trace` through the live control plane; returns the live result and the simulated one.
+
+    `prefetch_lead_s > 0`: after each request, the requests arriving within that many seconds of it count
+    as queued, and the control plane lifts their held prefixes into the first tier (as the simulator's
+    `--prefetch-lead-s` does)."""
     cfg = cluster if isinstance(cluster, ClusterConfig) else load_cluster_config(cluster)
     node = cfg.nodes[0]
     chain = node_chains(cfg)[node.name]
@@ -83,7 +87,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
             {node.name: [(t.label, actor_name(node.name, t.tier.tier), cap) for t, cap in zip(chain, capacities)]},
             policy, None, block_bytes)
         started.append(control)
-        live = _drive(trace, control, node.name, len(chain), block_bytes, progress)
+        live = _drive(trace, control, node.name, len(chain), block_bytes, progress, prefetch_lead_s)
         stats = ray.get(control.stats.remote(), timeout=60)
     finally:
         for actor in started:
@@ -101,7 +105,9 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                 "evictions": e} for t, h, e in zip(plan, hits, evictions)],
         hit_rate=sum(hits) / max(1, refs), block_refs=refs, prefix_hits=sum(hits), evictions=evictions[-1],
         seconds=seconds)
-    simulated = replay(trace, policy, plan)
+    if prefetch_lead_s > 0 and len(plan) > 1:
+        result.prefetch = stats["nodes"][node.name]["prefetch"]
+    simulated = replay(trace, policy, plan, prefetch_lead_s=prefetch_lead_s)
     return {"driver": "live", "cluster": cfg.model_dump(include={"model"}) | {"tiers": labels},
             "block_bytes": block_bytes, "wrong_bytes": wrong, "live": result.to_dict(),
             "simulated": simulated.to_dict(),
@@ -110,15 +116,23 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
 
 
 def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: int,
-           progress: Callable[[int], None] | None) -> tuple[list[int], int, float]:
-    """One call per request; count the hits whose bytes are right, per tier."""
+           progress: Callable[[int], None] | None, prefetch_lead_s: float = 0.0) -> tuple[list[int], int, float]:
+    """One call per request (and one per queued request to prefetch); count the hits whose bytes are right,
+    per tier."""
     hits = [0] * n_tiers
     wrong = 0
+    ahead = 0  # requests up to here were prefetched
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
         keys = [block_key(b) for b in blocks]
+        ctx = request_context(trace, i)
         tiers, payloads = ray.get(control.serve.remote(node, keys, [block_payload(k, block_bytes) for k in keys],
-                                                       request_context(trace, i)), timeout=300)
+                                                       ctx), timeout=300)
+        if prefetch_lead_s > 0 and n_tiers > 1:  # the simulator's order: after the request, its queue
+            ahead = max(ahead, i + 1)
+            while ahead < len(trace.blocks) and trace.arrivals[ahead] <= ctx.now + prefetch_lead_s:
+                control.prefetch.remote(node, [block_key(b) for b in trace.blocks[ahead]], ctx)
+                ahead += 1
         for key, tier, data in zip(keys, tiers, payloads):
             if np.array_equal(data, block_payload(key, block_bytes)):
                 hits[tier] += 1

@@ -119,6 +119,12 @@ def prefetches() -> Counter:
 
 
 @lru_cache(maxsize=None)
+def queued_prefetches() -> Counter:
+    return Counter("kvcluster_queued_prefetch_requests", "Requests that waited for a replica slot and had their "
+                   "cached prefix lifted into their node's first tier meanwhile.", tag_keys=("node",))
+
+
+@lru_cache(maxsize=None)
 def posterior_mean() -> KeptGauge:
     return KeptGauge(Gauge("kvcluster_predictor_posterior_mean", "Mean of the Beta posterior of P(reuse) per pair.",
                            tag_keys=("block_type", "transition")))

@@ -12,6 +12,8 @@ Calls mirror an offloading manager's (vLLM's `kv_offload`, LMCache's storage
 managers): `lookup` is the prefix run, `prepare_load`/`complete_load` pin the
 blocks a reader is copying out (a pinned block is put back when a tier picks it
 as a victim), `prepare_store`/`complete_store` bracket one request's placement,
+`prepare_prefetch` lifts a queued request's held prefix into tier 0 before it runs
+(the simulator's `Prefetcher`, so prefetch hits and waste count alike in both),
 and `drain_events` yields what was stored, moved, evicted or lost, for an index
 or a read-only replica of it. Plans are applied in the order they are issued:
 a plan's sources are where the previous plan left the blocks.
@@ -24,9 +26,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .hierarchy import Hierarchy
+from .hierarchy import Hierarchy, ServeResult
 from .policies.base import RequestContext
 from .predictor import PredictorConfig
+from .prefetch import Prefetcher
 from .simulator import TierPlan, build_hierarchy
 
 
@@ -83,6 +86,7 @@ class CacheManager:
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
         self._requests = 0
+        self.prefetcher = Prefetcher(lead_s=0.0)  # the lead is the caller's: it says which requests are queued
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -189,9 +193,28 @@ class CacheManager:
         if ctx is None:
             ctx = RequestContext(index=self._requests, now=float(self._requests))
         result = self.hierarchy.serve(served, ctx, self._pins)
+        self.prefetcher.served(served, result.hit_tier)
+        self.prefetcher.after(result)
+        return self._plan(src, result)
+
+    def prepare_prefetch(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> StorePlan:
+        """A queued request's held prefix, lifted into tier 0 before it runs (no use is counted: its own
+        `prepare_store` counts it). The plan is empty when that run is in tier 0 already."""
+        run = self._known(keys)
+        run = run[: next((j for j, i in enumerate(run) if i is None), len(run))]
+        if ctx is None:
+            ctx = RequestContext(index=self._requests, now=float(self._requests))
+        result = self.prefetcher.prefetch(self.hierarchy, run, ctx, self._pins)
+        if result is None:
+            return StorePlan(next(self._plan_ids), ())
+        return self._plan({b: tier for b, tier in result.promoted}, result)
+
+    def _plan(self, src: dict[int, int | None], result: ServeResult) -> StorePlan:
+        """The net moves that make the tiers match the hierarchy after `result`. `src`: where each block the
+        request touched has its bytes now (None: computed by the caller)."""
         for block, tier in result.promoted:
             src[block] = tier
-        dst = dict.fromkeys(src, 0)  # every served block ends in tier 0 unless it fell in the same request
+        dst = dict.fromkeys(src, 0)  # every touched block ends in tier 0 unless it fell in the same cascade
         for block, origin, landed in result.demoted:  # in cascade order: the last landing is where it stays
             src.setdefault(block, origin)
             dst[block] = landed
@@ -201,6 +224,10 @@ class CacheManager:
         keys_of = self._keys
         moves = [Move(keys_of[b], s, dst[b]) for b, s in src.items() if s != dst[b]]
         return StorePlan(next(self._plan_ids), tuple(moves))
+
+    def prefetch_stats(self) -> dict[str, int]:
+        """Blocks prefetched (issued), then used from tier 0 (hits), or evicted first (wasted)."""
+        return dict(self.prefetcher.stats.__dict__)
 
     def complete_store(self, plan: StorePlan, failed: Iterable[bytes] = ()) -> None:
         """The data plane carried `plan` out except for `failed` blocks (unreadable source, refused

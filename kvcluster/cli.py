@@ -221,8 +221,7 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     from .simulator import prepare
 
     for flag, value in (("--tiers", args.tiers), ("--lookahead-s", args.lookahead_s),
-                        ("--prefetch-lead-s", args.prefetch_lead_s), ("--calibration", args.calibration),
-                        ("--plot", args.plot)):
+                        ("--calibration", args.calibration), ("--plot", args.plot)):
         if value:
             raise ConfigError(f"{flag} is a simulator option; --live takes --cluster and --capacity-* per tier")
     for name in policies:
@@ -246,7 +245,8 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     runs = []
     for policy in policies:
         runs.append(replay_live(prepared, policy, args.cluster, capacities, args.live_block_bytes,
-                                _progress_factory(_show_progress(args), prepared.requests)(f"{policy} live")))
+                                _progress_factory(_show_progress(args), prepared.requests)(f"{policy} live"),
+                                prefetch_lead_s=args.prefetch_lead_s))
     report = {"trace": prepared.name, "requests": prepared.requests, "block_refs": prepared.block_refs,
               "unique_blocks": prepared.unique_blocks, "block_size": prepared.block_size, "driver": "live",
               "cluster": args.cluster, "block_bytes": args.live_block_bytes,

@@ -101,6 +101,21 @@ class NodeCaches:
         self.totals["failed"] += len(failed)
         return plan, failed
 
+    def prefetch(self, node: str, keys: Sequence[bytes], ctx: RequestContext | None = None) -> int:
+        """A request queued for `node`: the part of its held prefix in `node`'s lower tiers moves up to its
+        first tier now, so the request reads it from there. Returns the blocks promoted. Blocks only
+        another node holds are left where they are: the request's own commit migrates them."""
+        manager = self.managers[node]
+        plan = manager.prepare_prefetch(keys, ctx)
+        if not plan.moves:
+            return 0
+        failed = execute(plan, self.io[node], {})
+        manager.complete_store(plan, failed)
+        failed = set(failed)
+        promoted = sum(1 for m in plan.moves if m.dst == 0 and m.src not in (None, 0) and m.key not in failed)
+        self.totals["prefetched"] += promoted
+        return promoted
+
     def _pullable(self, node: str, sources: dict[str, dict[int, list[bytes]]]) -> dict[tuple[str, int], list[bytes]]:
         """The (other node, tier) groups that `node`'s tiers can pull over NIXL."""
         if not hasattr(self.io[node], "pull"):
@@ -169,6 +184,7 @@ class NodeCaches:
         return manager.adopt(tier, keys)
 
     def stats(self) -> dict:
-        return {"nodes": {node: {"occupancy": m.occupancy(), "counters": m.counters(), "tracked_blocks": m.tracked()}
+        return {"nodes": {node: {"occupancy": m.occupancy(), "counters": m.counters(), "tracked_blocks": m.tracked(),
+                                 "prefetch": m.prefetch_stats()}
                           for node, m in self.managers.items()},
                 "totals": dict(self.totals)}

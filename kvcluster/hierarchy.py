@@ -83,13 +83,13 @@ class Hierarchy:
         demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
         return ServeResult(tuple(hit_tier), tuple(promoted), tuple(demoted), tuple(dropped), tuple(dropped_from))
 
-    def promote(self, blocks: Sequence[int], ctx: RequestContext) -> tuple[list, list, list]:
-        """Prefetch: move `blocks` held in lower tiers into tier 0 without counting a use."""
+    def promote(self, blocks: Sequence[int], ctx: RequestContext, pinned: Container[int] = ()) -> ServeResult:
+        """Prefetch: move `blocks` held in lower tiers into tier 0 without counting a use (no hits)."""
         promoted = self._pull_up(blocks)
         moved = [b for b, _ in promoted]
         evicted = self.policies[0].admit(moved, ctx) if moved else []
-        demoted, dropped, _ = self._cascade(evicted, 0, ctx)
-        return promoted, demoted, dropped
+        demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
+        return ServeResult((), tuple(promoted), tuple(demoted), tuple(dropped), tuple(dropped_from))
 
     def _pull_up(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
         promoted = []

@@ -10,9 +10,9 @@ from tier 0 by the request they were fetched for) and wasted (evicted first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
-from .hierarchy import Hierarchy
+from .hierarchy import Hierarchy, ServeResult
 from .policies.base import RequestContext
 
 
@@ -29,16 +29,23 @@ class Prefetcher:
     stats: PrefetchStats = field(default_factory=PrefetchStats)
     _pending: set[int] = field(default_factory=set)
 
-    def prefetch(self, hierarchy: Hierarchy, blocks: Sequence[int], ctx: RequestContext) -> None:
-        """Promote the lower-tier part of the prefix run of an upcoming request."""
+    def prefetch(self, hierarchy: Hierarchy, blocks: Sequence[int], ctx: RequestContext,
+                 pinned: Container[int] = ()) -> ServeResult | None:
+        """Promote the lower-tier part of the prefix run of an upcoming request; None when all of it is in
+        tier 0 already (nothing moves)."""
         tiers = hierarchy.prefix_tiers(blocks)
         wanted = [blocks[j] for j, tier in enumerate(tiers) if tier > 0]
         if not wanted:
-            return
-        promoted, demoted, dropped = hierarchy.promote(wanted, ctx)
-        self.stats.issued += len(promoted)
-        self._pending.update(b for b, _ in promoted)
-        self.evicted([b for b, src, _ in demoted if src == 0] + list(dropped))
+            return None
+        result = hierarchy.promote(wanted, ctx, pinned)
+        self.stats.issued += len(result.promoted)
+        self._pending.update(b for b, _ in result.promoted)
+        self.after(result)
+        return result
+
+    def after(self, result: ServeResult) -> None:
+        """What left tier 0 in a serve or a promotion: a prefetched block among them was wasted."""
+        self.evicted([b for b, src, _ in result.demoted if src == 0] + list(result.dropped))
 
     def served(self, blocks: Sequence[int], hit_tier: Sequence[int]) -> None:
         """A request ran: its prefetched blocks found in tier 0 are hits."""

@@ -274,7 +274,7 @@ def replay(
             tier_hits[t] += per_tier[t]
         if prefetcher is not None:
             prefetcher.served(blocks, result.hit_tier)
-            prefetcher.evicted([b for b, src, _ in result.demoted if src == 0] + list(result.dropped))
+            prefetcher.after(result)
         if prefetcher is not None:  # requests queued behind this one get their blocks lifted now
             ahead = max(ahead, i + 1)
             while ahead < len(trace.blocks) and trace.arrivals[ahead] <= ctx.now + prefetch_lead_s:

@@ -34,6 +34,9 @@ class ServeAppConfig(BaseModel):
                                           "the ingress and each replica, refreshed this often (seconds): a lookup "
                                           "costs no remote call, and sees changes up to this late (a block stored "
                                           "since is recomputed). None: ask the index shards per request.")
+    prefetch_queued: bool = Field(True, description="A request that must wait for a free replica slot has its "
+                                  "cached prefix lifted into its node's first tier by the control plane while it "
+                                  "waits.")
     torch_threads: int = Field(1, ge=1, description="Intra-op threads per replica (OpenMP spin-waits hurt on "
                                                     "busy small machines).")
     replica_cpus: float = Field(1.0, ge=0)

@@ -22,6 +22,8 @@ from ray import serve
 from starlette.background import BackgroundTask
 
 from kvcluster.actors.cluster import node_ids
+from kvcluster.actors.control_plane_actor import CONTROL_NAME
+from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import open_index
 from kvcluster.keys import KeySpace
 from kvcluster.serving.chat import reusable_segments
@@ -94,6 +96,7 @@ class OpenAIIngress:
         self.encoder = PromptEncoder(self.tokenizer, self.window, self.cfg.tokenizer_threads)
         self.cluster = cache_cluster(self.cfg)
         self.index = open_index(self.cfg.index_refresh_s) if self.cluster else None
+        self._control = None  # the control plane's handle, looked up on the first prefetch
         self._node_ids: dict[str, str] = {}
         self._node_ids_at = 0.0
         self.inflight = 0
@@ -304,9 +307,30 @@ class OpenAIIngress:
         name = match.best_node()
         if name is None:
             return None
+        self._prefetch_if_queued(name, keys[: match.length])
         if name not in self._node_ids or time.monotonic() - self._node_ids_at > 30:
             self._node_ids, self._node_ids_at = node_ids(self.cluster), time.monotonic()
         return self._node_ids.get(name)
+
+    def _serving_slots(self) -> int:
+        """Generations the replicas can run at once at most; past it a request waits in Serve's queue."""
+        return self.cfg.max_ongoing_requests * self.cfg.autoscaling.max_replicas
+
+    def _prefetch_if_queued(self, node: str, keys: list[bytes]) -> bool:
+        """A request that will wait behind others has its held prefix lifted into `node`'s first tier while it
+        waits (one fire-and-forget call to the control plane). Only then: a request that runs at once would
+        race the move and read its blocks in flight, a miss."""
+        if not self.cfg.prefetch_queued or self.inflight <= self._serving_slots() or not keys:
+            return False
+        try:
+            if self._control is None:
+                self._control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+            self._control.prefetch.remote(node, keys)
+        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): the request reads where it is
+            self._control = None
+            return False
+        metrics.queued_prefetches().inc(1, {"node": node})
+        return True
 
     def _admit(self, count: int) -> None:
         """Bounded work: past `max_inflight_requests` generations a request is turned away at once, with

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvcluster.cache_manager import CacheManager
 from kvcluster.control_plane import ControlPlane
+from kvcluster.plan_executor import execute
 from kvcluster.simulator import TierPlan, prepare, replay, request_context
 from kvcluster.traces import load_trace
 
@@ -182,3 +183,28 @@ def test_a_plan_costs_a_fixed_number_of_batched_calls() -> None:
     tiers.calls = 0
     plane.serve(keys, {})
     assert tiers.calls == 4  # the run's read, then the plan's read, delete and write rounds; never per block
+
+
+def test_a_prefetch_lifts_a_held_prefix_into_tier_0_and_its_victim_falls_one_tier() -> None:
+    """Tiers of 2 and 4 blocks, LRU: a request of 2 blocks, then another pushes them to tier 1. Prefetching
+    the first request's keys moves both back up (src 1 -> dst 0) and the second request's blocks down; the
+    plan carried out over real bytes leaves the tiers exactly as the bookkeeping says, with no use counted."""
+    manager = CacheManager([TierPlan("dram", 2), TierPlan("nvme", 4)], "lru")
+    plane = ControlPlane(manager, tiers := DictTiers([2, 4]))
+    first, second = [key_of(1), key_of(2)], [key_of(3), key_of(4)]
+    for keys in (first, second):
+        plane.commit(keys, {k: (payload_of(k), None) for k in keys})
+    assert manager.lookup(first) == [1, 1] and manager.lookup(second) == [0, 0]
+    hits_before = [c["hits"] for c in manager.counters()]
+    plan = manager.prepare_prefetch(first + [key_of(9)])  # a key held nowhere ends the run
+    assert sorted((m.key, m.src, m.dst) for m in plan.moves) == sorted(
+        [(key_of(1), 1, 0), (key_of(2), 1, 0), (key_of(3), 0, 1), (key_of(4), 0, 1)])
+    manager.complete_store(plan, execute(plan, tiers, {}))
+    assert manager.lookup(first) == [0, 0] and manager.lookup(second) == [1, 1]
+    assert {t: sorted(d) for t, d in enumerate(tiers.tiers)} == {0: sorted(first), 1: sorted(second)}
+    assert all(np.array_equal(tiers.tiers[0][k], payload_of(k)) for k in first)
+    assert [c["hits"] for c in manager.counters()] == hits_before and tiers.refused == 0
+    assert manager.prepare_prefetch(first).moves == ()  # already in tier 0: nothing moves
+    assert manager.prefetch_stats() == {"issued": 2, "hits": 0, "wasted": 0}
+    plane.commit(first, {})
+    assert manager.prefetch_stats() == {"issued": 2, "hits": 2, "wasted": 0}
