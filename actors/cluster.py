@@ -19,6 +19,9 @@ from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
 
+GAP_SYNC_EVERY = 32  # commits between poolings of the policies' reuse-gap counts (one predictor call)
+
+
 class ClusterUnreachable(KvclusterError):
     """No Ray cluster answers at the given address."""
 
@@ -78,7 +81,8 @@ def up(cfg: ClusterConfig) -> dict:
     chains = {name: [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
               for name, chain in node_chains(cfg).items()}
     control = ControlPlaneActor.options(name=CONTROL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                        get_if_exists=True).remote(chains, cfg.policy, None, slot_bytes)
+                                        get_if_exists=True).remote(chains, cfg.policy, None, slot_bytes,
+                                                                   GAP_SYNC_EVERY)
     ray.get(control.stats.remote(), timeout=120)  # its view rebuilt from what the tiers already hold
     return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy}
 

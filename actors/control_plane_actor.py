@@ -18,11 +18,15 @@ import numpy as np
 import ray
 
 from kvcluster.cluster_control import NodeCaches
+from kvcluster.gap_sync import GapCounts, GapSync, sync_all
 from kvcluster.policies.base import RequestContext
+from kvcluster.reuse_gap import GapModel
 from kvcluster.simulator import TierPlan
 
 from . import metrics
+from .index_actor import NAMESPACE
 from .peer_server import MEMORY_TIERS
+from .predictor_actor import PREDICTOR_NAME
 
 log = logging.getLogger(__name__)
 CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
@@ -76,13 +80,13 @@ class ActorTierIO:
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ControlPlaneActor:
     def __init__(self, chains: dict[str, list[tuple[str, str, int]]], policy: str,
-                 policy_options: dict | None = None, block_bytes: int = 0) -> None:
+                 policy_options: dict | None = None, block_bytes: int = 0, gap_sync_every: int = 0) -> None:
         """`chains[node]`: that node's hierarchy as (label, tier actor name, capacity in blocks), fastest
         first; `block_bytes`: a block's payload, for the bytes-moved metric. On a restart it rebuilds its
-        view from what the tier actors hold."""
+        view from what the tier actors hold. `gap_sync_every` > 0: every that many commits (and once at
+        start) the policies' reuse-gap counts are pooled with the cluster's through the predictor actor
+        (`kvcluster.gap_sync`), so each node learns from all and a restart starts from what was learnt."""
         self.block_bytes = block_bytes
-        from .index_actor import NAMESPACE
-
         self.policy = policy
         self.labels = {node: [label for label, _, _ in chain] for node, chain in chains.items()}
         io = {node: ActorTierIO([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain],
@@ -94,8 +98,26 @@ class ControlPlaneActor:
         self.requests = 0
         self.resyncs = 0
         self.adopted = self._adopt(io)
+        self.gap_every = gap_sync_every
+        self.gap_syncs = [GapSync(p.model) for m in self.caches.managers.values()
+                          if isinstance(getattr(p := m.hierarchy.policies[0], "model", None), GapModel)]
+        self.gap_synced = 0
+        if self.gap_every:
+            self._sync_gap()
         if ray.get_runtime_context().was_current_actor_reconstructed:
             metrics.faults().inc(1, {"component": "control", "kind": "restarted"})
+
+    def _sync_gap(self) -> None:
+        """One round trip to the predictor: this control plane's new counts in, the cluster's totals back.
+        Without a predictor the policies keep learning alone (a delta not sent is sent next time)."""
+        if not self.gap_syncs:
+            return
+        try:
+            predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
+            sync_all(self.gap_syncs, lambda delta: ray.get(predictor.merge_gap.remote(delta), timeout=CALL_TIMEOUT_S))
+            self.gap_synced += 1
+        except (ValueError, ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("reuse-gap counts not pooled this round (%s)", type(exc).__name__)
 
     def _adopt(self, io: dict[str, ActorTierIO]) -> int:
         """Blocks the tiers already hold (from before a restart): back into the bookkeeping; what the policy
@@ -136,6 +158,8 @@ class ControlPlaneActor:
         plan, failed = self.caches.commit(node, keys, held, ctx)
         self.caches.managers[node].drain_events()
         self._account(node, plan, set(failed), migrating)
+        if self.gap_every and self.requests % self.gap_every == 0:
+            self._sync_gap()
         return len(failed)
 
     def _account(self, node: str, plan, failed: set[bytes], migrating: set[bytes]) -> None:
@@ -184,5 +208,7 @@ class ControlPlaneActor:
 
     def stats(self) -> dict:
         return {"policy": self.policy, "tiers": self.labels, "requests": self.requests, "adopted": self.adopted,
-                "resyncs": self.resyncs,
+                "resyncs": self.resyncs, "gap_syncs": self.gap_synced,
+                "gap_learned_uses": sum(GapCounts(s.model.reached, s.model.reused).total_reached()
+                                        for s in self.gap_syncs),
                 **self.caches.stats()}

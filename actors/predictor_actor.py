@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ray
 
+from kvcluster.gap_sync import GapCounts
 from kvcluster.predictor import PredictorConfig, PredictorSnapshot, ReusePredictor
 
 from . import metrics
@@ -30,9 +31,12 @@ class PredictorActor:
         self._batches = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
             metrics.faults().inc(1, {"component": "predictor", "kind": "restarted"})
+        self.gap: GapCounts | None = None  # the cluster's reuse-gap counts (kvcluster.gap_sync), once sent
         if self.path.is_file():
             raw = json.loads(self.path.read_text())
             self.predictor.restore(PredictorSnapshot(raw["version"], tuple(raw["alpha"]), tuple(raw["beta"])))
+            if raw.get("gap"):
+                self.gap = GapCounts.from_dict(raw["gap"])
         self._publish()  # the dashboard shows the prior (or the restored posteriors) from the start
 
     def observe(self, keys: list[bytes], pairs: list[int], now: float) -> int:
@@ -48,6 +52,17 @@ class PredictorActor:
         """Posterior means as gauges (kept: re-recorded every export interval until the next change)."""
         metrics.publish_posteriors(self.predictor.snapshot())
 
+    def merge_gap(self, delta: GapCounts) -> GapCounts:
+        """A control plane's reuse-gap counts since its last sync, added to the cluster's; returns the totals.
+        Counts of another shape (a changed bin layout) start the totals afresh."""
+        if self.gap is None or self.gap.shape != delta.shape:
+            self.gap = GapCounts.zeros(*delta.shape)
+        self.gap.add(delta)
+        return self.gap
+
+    def gap_totals(self) -> GapCounts | None:
+        return self.gap
+
     def snapshot(self) -> PredictorSnapshot:
         return self.predictor.snapshot()
 
@@ -55,6 +70,7 @@ class PredictorActor:
         snap = self.predictor.snapshot()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": snap.version, "alpha": snap.alpha, "beta": snap.beta}))
+        tmp.write_text(json.dumps({"version": snap.version, "alpha": snap.alpha, "beta": snap.beta,
+                                   "gap": self.gap.to_dict() if self.gap is not None else None}))
         os.replace(tmp, self.path)
         return snap.version

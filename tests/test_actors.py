@@ -14,6 +14,7 @@ ray = pytest.importorskip("ray")
 from kvcluster.actors.deploy import start_global_actors, start_tier_actor  # noqa: E402
 from kvcluster.actors.tier_actor import TierActorConfig  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
+from kvcluster.policies.base import RequestContext  # noqa: E402
 
 KEYS = [bytes(k) for k in KeySpace(model="actors").chain_hash_ids(list(range(6)))]
 
@@ -206,3 +207,32 @@ def test_a_sharded_index_answers_as_one_and_a_local_copy_follows_it(ray_session)
         local.close()
     with pytest.raises(ConfigError, match="index_shards: the running index has 3 shards"):
         start_global_actors(os.path.join(ray_session, "shards"), namespace=ns, index_shards=2)
+
+
+def test_the_control_plane_pools_what_its_policy_learns_through_the_predictor(cluster_actors) -> None:
+    """bayes in the control plane sends its reuse-gap counts to the predictor every 2 commits; the predictor
+    checkpoints them, and a control plane started afresh begins from them instead of from nothing."""
+    from kvcluster.actors.control_plane_actor import ControlPlaneActor
+
+    _, predictor, dram, pfs = cluster_actors
+    chains = {"n0": [("n0/dram", "kvcluster/n0/dram", 8), ("n0/pfs", "kvcluster/n0/pfs", 64)]}
+    keys = [bytes(k) for k in KeySpace(model="gap").chain_hash_ids(list(range(4)))]
+    control = ControlPlaneActor.remote(chains, "bayes", None, 4096, 2)
+    for i in range(4):
+        ray.get(control.commit.remote("n0", keys[: i + 1], [payload(j) for j in range(i + 1)],
+                                      RequestContext(index=i, now=float(i), session="s")))
+    stats = ray.get(control.stats.remote())
+    assert stats["gap_syncs"] == 3  # at start, then after commits 2 and 4
+    assert stats["gap_learned_uses"] >= 1 + 2 + 3 + 4  # with whatever earlier runs left in the predictor
+    totals = ray.get(predictor.gap_totals.remote())
+    assert totals.total_reached() == stats["gap_learned_uses"]
+    ray.kill(control, no_restart=True)
+    ray.get(predictor.checkpoint.remote())
+    ray.kill(predictor, no_restart=False)
+    wait_for(lambda: _try(lambda: ray.get(predictor.snapshot.remote(), timeout=5)))
+    fresh = ControlPlaneActor.remote(chains, "bayes", None, 4096, 2)
+    try:
+        restarted = ray.get(fresh.stats.remote())
+        assert restarted["requests"] == 0 and restarted["gap_learned_uses"] == totals.total_reached() > 0
+    finally:
+        ray.kill(fresh, no_restart=True)
