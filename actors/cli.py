@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
                 for r in result["tiers"]]
         text = _table(rows, ["node", "tier", "state", "blocks", "capacity"])
-        control = result.get("control")
-        if control:
-            text += f"\ncontrol plane: policy {control['policy']}, {control['requests']} requests placed, " + \
+        for control in result.get("control") or ():
+            text += f"\ncontrol plane shard {control['shard']} of {control['shards']}: policy {control['policy']}, " \
+                    f"{control['requests']} requests placed, " + \
                 ", ".join(f"{k} {v}" for k, v in sorted(control["totals"].items()))
     print(json.dumps(result) if args.json else text)
     return 0

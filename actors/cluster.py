@@ -8,13 +8,15 @@ import ray
 
 from kvcluster.cluster_config import ClusterConfig, NodeEntry
 from kvcluster.cluster_control import node_chains
+from kvcluster.sharded_hierarchy import shard_capacities
 from kvcluster.errors import ConfigError, KvclusterError
 from kvcluster.tiers import TIER_ORDER
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import NAMESPACE, shard_name
 from .index_client import IndexClient
-from .control_plane_actor import CONTROL_NAME, ControlPlaneActor
+from .control_client import ControlClient
+from .control_plane_actor import CONTROL_NAME, ControlPlaneActor, control_name
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
@@ -78,13 +80,33 @@ def up(cfg: ClusterConfig) -> dict:
             handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
             started.append(actor_name(node.name, t.tier))
     ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
-    chains = {name: [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
-              for name, chain in node_chains(cfg).items()}
-    control = ControlPlaneActor.options(name=CONTROL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                        get_if_exists=True).remote(chains, cfg.policy, None, slot_bytes,
-                                                                   GAP_SYNC_EVERY)
-    ray.get(control.stats.remote(), timeout=120)  # its view rebuilt from what the tiers already hold
-    return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy}
+    controls = start_control_plane(cfg, slot_bytes)
+    running = ray.get(controls[0].shard_count.remote(), timeout=120)
+    if running != cfg.control_shards:
+        raise ConfigError(f"control_shards: the running control plane has {running} shards, the config asks for "
+                          f"{cfg.control_shards}; run `kvcluster cluster down` first")
+    ray.get([c.stats.remote() for c in controls], timeout=120)  # their views rebuilt from what the tiers hold
+    return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy, "control_shards": cfg.control_shards,
+            "index_shards": cfg.index_shards}
+
+
+def start_control_plane(cfg: ClusterConfig, slot_bytes: int) -> list:
+    """The control plane shards (detached, found again by name): shard i owns the blocks whose key hashes to
+    it and the i-th share of every tier (`shard_capacities`)."""
+    shards = cfg.control_shards
+    chains = node_chains(cfg)
+    small = [t.label for chain in chains.values() for t in chain if t.capacity_blocks < shards]
+    if small:
+        raise ConfigError(f"control_shards: {shards} shards need at least {shards} blocks in every tier; "
+                          f"{', '.join(small)} hold fewer")
+    handles = []
+    for i in range(shards):
+        mine = {name: [(t.label, actor_name(name, t.tier.tier), shard_capacities(t.capacity_blocks, shards)[i])
+                       for t in chain] for name, chain in chains.items()}
+        handles.append(ControlPlaneActor.options(name=control_name(i), namespace=NAMESPACE, lifetime="detached",
+                                                 get_if_exists=True).remote(mine, cfg.policy, None, slot_bytes,
+                                                                            GAP_SYNC_EVERY, i, shards))
+    return handles
 
 
 def status(cfg: ClusterConfig) -> dict:
@@ -111,24 +133,25 @@ def status(cfg: ClusterConfig) -> dict:
     except ValueError:
         out["index"] = None
     try:
-        out["control"] = ray.get(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE).stats.remote(), timeout=30)
+        out["control"] = ControlClient.connect(timeout_s=30).stats(timeout_s=30)
     except ValueError:
         out["control"] = None
     return out
 
 
-def _running_shards(cfg: ClusterConfig) -> int:
-    """The running index's shard count (a config edited since `up` may say otherwise)."""
+def _running_count(first: str, configured: int) -> int:
+    """How many shards the running actor `first` (shard 0) has: a config edited since `up` may say otherwise."""
     try:
-        return ray.get(ray.get_actor(shard_name(0), namespace=NAMESPACE).shard_count.remote(), timeout=30)
+        return ray.get(ray.get_actor(first, namespace=NAMESPACE).shard_count.remote(), timeout=30)
     except (ValueError, ray.exceptions.RayError):
-        return cfg.index_shards
+        return configured
 
 
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
     names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
-    names += [CONTROL_NAME, PREDICTOR_NAME] + [shard_name(i) for i in range(_running_shards(cfg))]
+    names += [control_name(i) for i in range(_running_count(CONTROL_NAME, cfg.control_shards))]
+    names += [PREDICTOR_NAME] + [shard_name(i) for i in range(_running_count(shard_name(0), cfg.index_shards))]
     killed = []
     for name in names:
         try:

@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import ray
 
+from kvcluster.block_index import shard_of
 from kvcluster.cluster_control import NodeCaches
 from kvcluster.gap_sync import GapCounts, GapSync, sync_all
 from kvcluster.policies.base import RequestContext
@@ -29,7 +30,11 @@ from .peer_server import MEMORY_TIERS
 from .predictor_actor import PREDICTOR_NAME
 
 log = logging.getLogger(__name__)
-CONTROL_NAME = "kvcluster/control"  # one per cluster, detached, found by name
+CONTROL_NAME = "kvcluster/control"  # shard 0 (the only one unless sharded), detached, found by name
+
+
+def control_name(shard: int) -> str:
+    return CONTROL_NAME if shard == 0 else f"{CONTROL_NAME}/{shard}"
 CALL_TIMEOUT_S = 120.0
 
 
@@ -80,13 +85,17 @@ class ActorTierIO:
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ControlPlaneActor:
     def __init__(self, chains: dict[str, list[tuple[str, str, int]]], policy: str,
-                 policy_options: dict | None = None, block_bytes: int = 0, gap_sync_every: int = 0) -> None:
+                 policy_options: dict | None = None, block_bytes: int = 0, gap_sync_every: int = 0,
+                 shard: int = 0, shards: int = 1) -> None:
         """`chains[node]`: that node's hierarchy as (label, tier actor name, capacity in blocks), fastest
         first; `block_bytes`: a block's payload, for the bytes-moved metric. On a restart it rebuilds its
         view from what the tier actors hold. `gap_sync_every` > 0: every that many commits (and once at
         start) the policies' reuse-gap counts are pooled with the cluster's through the predictor actor
-        (`kvcluster.gap_sync`), so each node learns from all and a restart starts from what was learnt."""
+        (`kvcluster.gap_sync`), so each node learns from all and a restart starts from what was learnt.
+        `shard` of `shards`: this actor owns the blocks whose key hashes to it, and `chains` give its share
+        of every tier (`kvcluster.sharded_hierarchy`); it adopts only its own blocks."""
         self.block_bytes = block_bytes
+        self.shard, self.shards = shard, shards
         self.policy = policy
         self.labels = {node: [label for label, _, _ in chain] for node, chain in chains.items()}
         io = {node: ActorTierIO([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain],
@@ -107,6 +116,13 @@ class ControlPlaneActor:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             metrics.faults().inc(1, {"component": "control", "kind": "restarted"})
 
+    def shard_count(self) -> int:
+        return self.shards
+
+    def _mine(self, keys: list[bytes]) -> list[bytes]:
+        """The keys this shard owns (all of them when unsharded)."""
+        return keys if self.shards == 1 else [k for k in keys if shard_of(k, self.shards) == self.shard]
+
     def _sync_gap(self) -> None:
         """One round trip to the predictor: this control plane's new counts in, the cluster's totals back.
         Without a predictor the policies keep learning alone (a delta not sent is sent next time)."""
@@ -125,7 +141,7 @@ class ControlPlaneActor:
         adopted = 0
         for node, tier_io in io.items():
             held = ray.get([a.held_keys.remote() for a in tier_io.actors], timeout=CALL_TIMEOUT_S)
-            for tier, keys in enumerate(held):
+            for tier, keys in enumerate(map(self._mine, held)):
                 if not keys:
                     continue
                 extra = self.caches.adopt(node, tier, keys)
@@ -140,7 +156,7 @@ class ControlPlaneActor:
         for node, tier_io in self.io.items():
             if tier_actor in tier_io.names:
                 tier = tier_io.names.index(tier_actor)
-                keys = ray.get(tier_io.actors[tier].held_keys.remote(), timeout=CALL_TIMEOUT_S)
+                keys = self._mine(ray.get(tier_io.actors[tier].held_keys.remote(), timeout=CALL_TIMEOUT_S))
                 extra = self.caches.resync(node, tier, keys)
                 if extra:
                     tier_io.delete({tier: extra})
@@ -207,7 +223,8 @@ class ControlPlaneActor:
         return list(got.tiers), list(got.payloads)
 
     def stats(self) -> dict:
-        return {"policy": self.policy, "tiers": self.labels, "requests": self.requests, "adopted": self.adopted,
+        return {"policy": self.policy, "shard": self.shard, "shards": self.shards, "tiers": self.labels,
+                "requests": self.requests, "adopted": self.adopted,
                 "resyncs": self.resyncs, "gap_syncs": self.gap_synced,
                 "gap_learned_uses": sum(GapCounts(s.model.reached, s.model.reused).total_reached()
                                         for s in self.gap_syncs),

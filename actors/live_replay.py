@@ -26,9 +26,12 @@ import ray
 from kvcluster.cluster_config import ClusterConfig, load_cluster_config
 from kvcluster.cluster_control import node_chains
 from kvcluster.errors import ConfigError
+from kvcluster.keys import stand_in_key
+from kvcluster.sharded_hierarchy import shard_capacities
 from kvcluster.simulator import PreparedTrace, ReplayResult, TierPlan, replay, request_context
 
 from .cluster import node_ids
+from .control_client import ControlClient
 from .control_plane_actor import ControlPlaneActor
 from .deploy import start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE, IndexActor
@@ -38,7 +41,7 @@ DEFAULT_BLOCK_BYTES = 4096
 
 
 def block_key(block: int) -> bytes:
-    return int(block).to_bytes(16, "big")  # the tiers' key width (a BlockKey digest)
+    return stand_in_key(block)  # a digest of the tiers' key width, spread over shards as real keys are
 
 
 def block_payload(key: bytes, nbytes: int) -> np.ndarray:
@@ -49,12 +52,14 @@ def block_payload(key: bytes, nbytes: int) -> np.ndarray:
 
 def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                 capacities: list[int] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                progress: Callable[[int], None] | None = None, prefetch_lead_s: float = 0.0) -> dict:
+                progress: Callable[[int], None] | None = None, prefetch_lead_s: float = 0.0,
+                control_shards: int = 1) -> dict:
     """Replay `trace` through the live control plane; returns the live result and the simulated one.
 
     `prefetch_lead_s > 0`: after each request, the requests arriving within that many seconds of it count
     as queued, and the control plane lifts their held prefixes into the first tier (as the simulator's
-    `--prefetch-lead-s` does)."""
+    `--prefetch-lead-s` does). `control_shards > 1` splits the control plane by key hash, each shard with
+    its share of every tier; the simulated figures then come from the same split (`replay(control_shards=)`)."""
     cfg = cluster if isinstance(cluster, ClusterConfig) else load_cluster_config(cluster)
     node = cfg.nodes[0]
     chain = node_chains(cfg)[node.name]
@@ -66,6 +71,8 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                           f"got {len(capacities)}")
     if any(c < 1 for c in capacities):
         raise ConfigError("capacity: every live tier needs room for at least one block")
+    if control_shards < 1 or any(c < control_shards for c in capacities):
+        raise ConfigError(f"--control-shards {control_shards}: every tier needs at least one block per shard")
     if block_bytes < 512 or block_bytes % 512:
         raise ConfigError(f"--live-block-bytes must be a positive multiple of 512, got {block_bytes}")
     own_ray = not ray.is_initialized()
@@ -83,12 +90,14 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
             tc = TierActorConfig(node=node.name, tier=t.tier.tier, slots=cap, slot_bytes=block_bytes, path=path)
             started.append(start_tier_actor(tc, pinned[node.name]))
         ray.get([a.describe.remote() for a in started[1:]], timeout=120)
-        control = ControlPlaneActor.remote(
-            {node.name: [(t.label, actor_name(node.name, t.tier.tier), cap) for t, cap in zip(chain, capacities)]},
-            policy, None, block_bytes)
-        started.append(control)
+        shares = [shard_capacities(cap, control_shards) for cap in capacities]
+        shards = [ControlPlaneActor.remote(
+            {node.name: [(t.label, actor_name(node.name, t.tier.tier), share[i]) for t, share in zip(chain, shares)]},
+            policy, None, block_bytes, 0, i, control_shards) for i in range(control_shards)]
+        started.extend(shards)
+        control = ControlClient(shards)
         live = _drive(trace, control, node.name, len(chain), block_bytes, progress, prefetch_lead_s)
-        stats = ray.get(control.stats.remote(), timeout=60)
+        stats = _summed(control.stats(), node.name)
     finally:
         for actor in started:
             ray.kill(actor, no_restart=True)
@@ -98,7 +107,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
     plan = [TierPlan(label, cap) for label, cap in zip(labels, capacities)]
     hits, wrong, seconds = live
     refs = trace.block_refs
-    evictions = [c["evictions"] for c in stats["nodes"][node.name]["counters"]]
+    evictions = stats["evictions"]
     result = ReplayResult(
         policy=policy, capacity_blocks=sum(capacities),
         tiers=[{"name": t.name, "capacity_blocks": t.capacity_blocks, "hits": h, "hit_rate": h / max(1, refs),
@@ -106,8 +115,8 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
         hit_rate=sum(hits) / max(1, refs), block_refs=refs, prefix_hits=sum(hits), evictions=evictions[-1],
         seconds=seconds)
     if prefetch_lead_s > 0 and len(plan) > 1:
-        result.prefetch = stats["nodes"][node.name]["prefetch"]
-    simulated = replay(trace, policy, plan, prefetch_lead_s=prefetch_lead_s)
+        result.prefetch = stats["prefetch"]
+    simulated = replay(trace, policy, plan, prefetch_lead_s=prefetch_lead_s, control_shards=control_shards)
     return {"driver": "live", "cluster": cfg.model_dump(include={"model"}) | {"tiers": labels},
             "block_bytes": block_bytes, "wrong_bytes": wrong, "live": result.to_dict(),
             "simulated": simulated.to_dict(),
@@ -126,12 +135,11 @@ def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: 
     for i, blocks in enumerate(trace.blocks):
         keys = [block_key(b) for b in blocks]
         ctx = request_context(trace, i)
-        tiers, payloads = ray.get(control.serve.remote(node, keys, [block_payload(k, block_bytes) for k in keys],
-                                                       ctx), timeout=300)
+        tiers, payloads = control.serve(node, keys, [block_payload(k, block_bytes) for k in keys], ctx)
         if prefetch_lead_s > 0 and n_tiers > 1:  # the simulator's order: after the request, its queue
             ahead = max(ahead, i + 1)
             while ahead < len(trace.blocks) and trace.arrivals[ahead] <= ctx.now + prefetch_lead_s:
-                control.prefetch.remote(node, [block_key(b) for b in trace.blocks[ahead]], ctx)
+                control.prefetch(node, [block_key(b) for b in trace.blocks[ahead]], ctx)
                 ahead += 1
         for key, tier, data in zip(keys, tiers, payloads):
             if np.array_equal(data, block_payload(key, block_bytes)):
@@ -142,3 +150,11 @@ def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: 
         if progress is not None:
             progress(1)
     return hits, wrong, time.perf_counter() - started
+
+
+def _summed(shard_stats: list[dict], node: str) -> dict:
+    """Evictions per tier and prefetch counts of `node`, summed over the control plane shards."""
+    per = [s["nodes"][node] for s in shard_stats]
+    evictions = [sum(col) for col in zip(*([c["evictions"] for c in p["counters"]] for p in per))]
+    prefetch = {k: sum(p["prefetch"][k] for p in per) for k in per[0]["prefetch"]}
+    return {"evictions": evictions, "prefetch": prefetch}

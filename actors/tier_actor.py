@@ -87,13 +87,13 @@ class TierActor(PeerServer):
     def _tell_control_plane(self) -> None:
         """After a restart this tier holds what its backend kept (nothing, for a memory tier): the control
         plane re-reads it, so it neither counts on blocks that are gone nor leaves new ones unaccounted."""
-        from .control_plane_actor import CONTROL_NAME
+        from .control_client import ControlClient
 
         try:
-            control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
-        except ValueError:  # no control plane (a tier used on its own): nothing to tell
+            control = ControlClient.connect()
+        except (ValueError, ray.exceptions.RayError):  # no control plane (a tier used on its own): nothing to tell
             return
-        control.resync.remote(actor_name(self.cfg.node, self.cfg.tier))
+        control.resync(actor_name(self.cfg.node, self.cfg.tier))
 
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 

@@ -66,3 +66,9 @@ class KeySpace:
             parent = self.child_of_hash_id(parent, hash_id)
             keys.append(parent)
         return keys
+
+
+def stand_in_key(block: int) -> BlockKey:
+    """The key a trace's block id stands for where a replay needs real keys (bytes in tiers, shards): a digest,
+    so such keys spread over index and control plane shards as real keys do."""
+    return BlockKey(hashlib.blake2b(int(block).to_bytes(8, "big"), digest_size=KEY_BYTES, person=b"kvc-sid").digest())

@@ -35,6 +35,7 @@ class ReplayOptions:
     prefetch_lead_s: float = 0.0
     lookahead_s: float = 0.0  # > 0: also replay each single-tier point with queue look-ahead
     calibration_horizon_s: float = 0.0  # > 0: also score the reuse-gap predictor's P(reuse within this)
+    control_shards: int = 1  # > 1: the managers' state split by key hash, as that many control plane shards
 
     def validate(self) -> None:
         known = policy_names()
@@ -53,6 +54,10 @@ class ReplayOptions:
         if self.lookahead_s > 0 and self.tiers:
             raise ConfigError("--lookahead-s pins blocks in one tier: use it with --capacity-*, or "
                               "--prefetch-lead-s with --tiers")
+        if self.control_shards < 1:
+            raise ConfigError("--control-shards must be >= 1")
+        if self.control_shards > 1 and self.lookahead_s > 0:
+            raise ConfigError("--control-shards splits the hierarchy: --lookahead-s pins in one, not with it")
         if self.calibration_horizon_s < 0:
             raise ConfigError("--calibration horizon must be > 0 seconds")
 
@@ -86,11 +91,14 @@ def run_replay(
     block_bytes = size_model(spec).bytes_per_token * trace.block_size
     results: list[ReplayResult] = []
     for plan in plans(options, trace, block_bytes):
+        if any(t.capacity_blocks < options.control_shards for t in plan):
+            raise ConfigError(f"--control-shards {options.control_shards}: every tier needs at least one block "
+                              "per shard")
         cost = cost_model_for(options, plan, trace.block_size)
         for policy in options.policies:
             results.append(
                 replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
-                       progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
+                       control_shards=options.control_shards, progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
             )
             if options.lookahead_s > 0:  # a separate figure, never mixed into the one above
                 ahead = replay(trace, policy, plan, lookahead_s=options.lookahead_s)

@@ -24,7 +24,7 @@ import numpy as np
 import ray
 
 from kvcluster.actors import metrics
-from kvcluster.actors.control_plane_actor import CONTROL_NAME
+from kvcluster.actors.control_client import ControlClient
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient, LocalIndex
 from kvcluster.actors.peer_control import ActorPeerControl
@@ -190,19 +190,19 @@ class ClusterBlockStore:
         ctx = request_context(self._requests, time.time(), pairs)
         new = [p for p in payloads if p is not None]
         try:
-            self._control().commit.remote(self.node, list(keys), list(payloads), ctx)
+            self._control().commit(self.node, list(keys), list(payloads), ctx)
             if new:
                 metrics.bytes_moved().inc(sum(p.nbytes for p in new), {"src": f"{self.node}/hbm", "dst": "control",
                                                                      "how": "commit"})
-        except ValueError:  # no control plane (yet): these blocks stay in hbm only
+        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): these blocks stay in hbm only
             self._control_handle = None
             metrics.faults().inc(1, {"component": "control", "kind": "actor_unavailable"})
         if pairs is not None:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())
 
-    def _control(self):
+    def _control(self) -> ControlClient:
         if self._control_handle is None:
-            self._control_handle = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+            self._control_handle = ControlClient.connect()
         return self._control_handle
 
 

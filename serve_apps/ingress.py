@@ -22,8 +22,7 @@ from ray import serve
 from starlette.background import BackgroundTask
 
 from kvcluster.actors.cluster import node_ids
-from kvcluster.actors.control_plane_actor import CONTROL_NAME
-from kvcluster.actors.index_actor import NAMESPACE
+from kvcluster.actors.control_client import ControlClient
 from kvcluster.actors.index_client import open_index
 from kvcluster.keys import KeySpace
 from kvcluster.serving.chat import reusable_segments
@@ -324,8 +323,8 @@ class OpenAIIngress:
             return False
         try:
             if self._control is None:
-                self._control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
-            self._control.prefetch.remote(node, keys)
+                self._control = ControlClient.connect()
+            self._control.prefetch(node, keys)
         except (ValueError, ray.exceptions.RayError):  # no control plane (yet): the request reads where it is
             self._control = None
             return False

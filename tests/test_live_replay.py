@@ -67,6 +67,18 @@ def test_queued_requests_are_prefetched_live_as_in_the_simulator(own_ray, trace)
     assert live["tiers"][0]["hits"] > plain["tiers"][0]["hits"]  # hits moved up to the first tier
 
 
+def test_a_control_plane_split_over_two_shards_hits_what_the_split_simulator_says(own_ray, trace) -> None:
+    """Two control plane actors, each owning the blocks whose key hashes to it and half of every tier: per
+    tier, the same hits and evictions as `replay(control_shards=2)`, on bytes read back."""
+    caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
+    out = replay_live(trace, "bayes", "local", caps, control_shards=2)
+    live, simulated = out["live"], out["simulated"]
+    assert out["wrong_bytes"] == 0 and out["max_abs_diff"] == 0.0
+    assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
+    assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
+    assert live["prefix_hits"] > 0
+
+
 def test_stand_in_bytes_differ_for_every_block() -> None:
     a, b = block_payload(block_key(1), 4096), block_payload(block_key(2), 4096)
     assert a.nbytes == 4096 and (a != b).any() and (block_payload(block_key(1), 4096) == a).all()

@@ -104,10 +104,13 @@ def test_cluster_cli_starts_reports_and_stops_the_actors(cluster, tmp_path) -> N
     import sys
 
     c, _, node_b, tmp = cluster
+    names_free(INDEX_NAME, "kvcluster/control")
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(f"""
 model: kvcluster-tiny-llama
 checkpoint_dir: {tmp}/cli/predictor
+index_shards: 2
+control_shards: 2
 nodes:
   - name: cli-head
     tiers: [{{tier: dram, capacity_gib: 0.01}}]
@@ -122,14 +125,19 @@ nodes:
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    assert len(cli("up")["tiers"]) == 3
+    started = cli("up")
+    assert len(started["tiers"]) == 3 and started["control_shards"] == started["index_shards"] == 2
     status = cli("status")
+    assert [(s["shard"], s["shards"], s["tiers"]) for s in status["control"]] == [
+        (i, 2, {"cli-head": ["cli-head/dram"], "cli-b": ["cli-b/dram", "cli-b/pfs"]}) for i in range(2)]
     assert [(r["node"], r["tier"], r["state"], r["capacity_blocks"]) for r in status["tiers"]] == [
         ("cli-head", "dram", "running", 81), ("cli-b", "dram", "running", 81), ("cli-b", "pfs", "running", 163)]
     b_dram = ray.get_actor("kvcluster/cli-b/dram", namespace=NAMESPACE)
     assert ray.get(b_dram.put_many.remote(KEYS[:2], [np.zeros(131072, np.uint8)] * 2)) == [True, True]
     assert wait_for(lambda: cli("status")["tiers"][1]["used_blocks"] == 2)
-    assert "kvcluster/cli-b/pfs" in cli("down")["killed"]
+    killed = cli("down")["killed"]
+    assert {"kvcluster/cli-b/pfs", "kvcluster/control", "kvcluster/control/1", "kvcluster/index",
+            "kvcluster/index/1"} <= set(killed)
     assert all(r["state"] == "absent" for r in cli("status")["tiers"])
 
 

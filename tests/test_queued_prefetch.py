@@ -14,13 +14,12 @@ from kvcluster.serve_apps.ingress import OpenAIIngress  # noqa: E402
 
 
 class Recorder:
-    """Stands in for the control plane actor's handle: records `prefetch.remote` calls."""
+    """Stands in for the control plane's client: records `prefetch` calls."""
 
     def __init__(self) -> None:
         self.calls: list = []
-        self.prefetch = self
 
-    def remote(self, *args) -> None:
+    def prefetch(self, *args) -> None:
         self.calls.append(args)
 
 
