@@ -91,14 +91,15 @@ METRICS_PORT: list[int] = []  # the node's metrics export port, set by `start`
 CORRUPTED_TIER = "n0/pfs"  # the one tier whose corrupt reads a fault of this soak causes
 
 
-def start(tmp: str) -> str:
+def start(tmp: str, shards: int = 1) -> str:
     os.environ["RAY_TMPDIR"] = tmp
     os.environ["RAY_metrics_report_interval_ms"] = "1000"
     METRICS_PORT.append(free_port())
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp,
              log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
     cluster = Path(tmp) / "cluster.yaml"
-    cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
+    cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\n"
+                       f"index_shards: {shards}\ncontrol_shards: {shards}\nnodes:\n"
                        f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.001}}\n"
                        f"      - {{tier: nvme, capacity_gib: 0.001, path: {tmp}/nvme}}\n"
                        f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n")
@@ -341,6 +342,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=positive_int, default=4)
     parser.add_argument("--clean-seconds", type=_non_negative_float, default=30,
                         help="length of the fault-free phase before the faults (0: none)")
+    parser.add_argument("--shards", type=positive_int, default=1,
+                        help="index and control plane shards (the control plane fault kills shard 0)")
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
     args = parser.parse_args()
@@ -350,7 +353,7 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     expected = {p: reference.complete(reference.loaded.tokenizer.encode(p), greedy).text for p in prompt_list}
     tmp = tempfile.mkdtemp(prefix="kvsoak", dir="/tmp")
-    url = start(tmp)
+    url = start(tmp, args.shards)
     report: dict = {"prompts": len(prompt_list), "clients": args.clients, "seconds": args.seconds}
     try:
         if not args.hostile_only:

@@ -306,7 +306,7 @@ class OpenAIIngress:
         name = match.best_node()
         if name is None:
             return None
-        self._prefetch_if_queued(name, keys[: match.length])
+        await self._prefetch_if_queued(name, keys[: match.length])
         if name not in self._node_ids or time.monotonic() - self._node_ids_at > 30:
             self._node_ids, self._node_ids_at = node_ids(self.cluster), time.monotonic()
         return self._node_ids.get(name)
@@ -315,17 +315,17 @@ class OpenAIIngress:
         """Generations the replicas can run at once at most; past it a request waits in Serve's queue."""
         return self.cfg.max_ongoing_requests * self.cfg.autoscaling.max_replicas
 
-    def _prefetch_if_queued(self, node: str, keys: list[bytes]) -> bool:
+    async def _prefetch_if_queued(self, node: str, keys: list[bytes]) -> bool:
         """A request that will wait behind others has its held prefix lifted into `node`'s first tier while it
         waits (one fire-and-forget call to the control plane). Only then: a request that runs at once would
         race the move and read its blocks in flight, a miss."""
         if not self.cfg.prefetch_queued or self.inflight <= self._serving_slots() or not keys:
             return False
         try:
-            if self._control is None:
-                self._control = ControlClient.connect()
+            if self._control is None:  # found once, off the event loop (it asks shard 0 for the count)
+                self._control = await asyncio.to_thread(ControlClient.connect, timeout_s=5.0)
             self._control.prefetch(node, keys)
-        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): the request reads where it is
+        except (ValueError, ray.exceptions.RayError, TimeoutError):  # no control plane: it reads where it is
             self._control = None
             return False
         metrics.queued_prefetches().inc(1, {"node": node})

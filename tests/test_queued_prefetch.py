@@ -5,6 +5,8 @@ them: a miss), so the rule is strict: more requests in flight than the replicas 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 pytest.importorskip("ray")
@@ -35,13 +37,13 @@ def ingress(inflight: int, **cfg) -> tuple[object, Recorder]:
 def test_only_a_request_past_every_replica_slot_is_prefetched() -> None:
     keys = [b"k1", b"k2"]
     running, control = ingress(inflight=6)  # 3 replicas x 2 slots: this one still runs at once
-    assert running._prefetch_if_queued("n0", keys) is False and control.calls == []
+    assert asyncio.run(running._prefetch_if_queued("n0", keys)) is False and control.calls == []
     queued, control = ingress(inflight=7)
-    assert queued._prefetch_if_queued("n0", keys) is True and control.calls == [("n0", keys)]
+    assert asyncio.run(queued._prefetch_if_queued("n0", keys)) is True and control.calls == [("n0", keys)]
 
 
 def test_prefetch_can_be_turned_off_and_an_empty_prefix_sends_nothing() -> None:
     off, control = ingress(inflight=50, prefetch_queued=False)
-    assert off._prefetch_if_queued("n0", [b"k"]) is False
+    assert asyncio.run(off._prefetch_if_queued("n0", [b"k"])) is False
     empty, control2 = ingress(inflight=50)
-    assert empty._prefetch_if_queued("n0", []) is False and control.calls == control2.calls == []
+    assert asyncio.run(empty._prefetch_if_queued("n0", [])) is False and control.calls == control2.calls == []
