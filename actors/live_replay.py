@@ -86,7 +86,7 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
             raise ConfigError(f"nodes: no live Ray node for {node.name} (its ray_resource is absent)")
         started.append(IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote())
         for t, cap in zip(chain, capacities):
-            path = None if t.tier.tier in ("dram", "cxl") else str(scratch / t.tier.tier)
+            path = str(scratch / t.tier.tier) if t.tier.kind.durable else None
             tc = TierActorConfig(node=node.name, tier=t.tier.tier, slots=cap, slot_bytes=block_bytes, path=path)
             started.append(start_tier_actor(tc, pinned[node.name]))
         ray.get([a.describe.remote() for a in started[1:]], timeout=120)

@@ -14,10 +14,11 @@ and `reporter` (its `IndexReporter`); the methods below become its remote method
 from __future__ import annotations
 
 from kvcluster.storage import NixlPeerPool
+from kvcluster.tiers import NIXL_TIERS
 
 from .index_reporter import IndexReporter
 
-MEMORY_TIERS = ("dram", "cxl")  # tiers whose pool is a slab other nodes can read over NIXL
+MEMORY_TIERS = NIXL_TIERS  # tiers whose pool is a slab other nodes can read over NIXL (kvcluster.tiers)
 
 
 class PeerServer:

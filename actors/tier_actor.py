@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvcluster.keys import BlockKey
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, cxl_backend, dram_backend
+from kvcluster.tiers import NODE_TIERS
 
 from .index_actor import NAMESPACE
 from .index_client import IndexClient
@@ -38,7 +39,8 @@ class TierActorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node: str = Field(description="Node name used in actor names and the index.")
-    tier: str = Field(pattern="^(dram|cxl|nvme|pfs)$", description="hbm stays inside the model replica.")
+    tier: str = Field(pattern=f"^({'|'.join(NODE_TIERS)})$", description="A kind a node's tier actor runs "
+                      "(kvcluster.tiers.NODE_TIERS); hbm stays inside the model replica.")
     slots: int = Field(gt=0, description="Blocks the tier holds (pfs: capacity in blocks).")
     slot_bytes: int = Field(gt=0, description="Bytes per block payload.")
     path: str | None = Field(None, description="Directory for nvme and pfs.")

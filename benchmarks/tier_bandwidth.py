@@ -33,10 +33,11 @@ from kvcluster.keys import KeySpace
 from kvcluster.storage import (NixlPeerPool, NVMeBackend, PFSBackend, RDMABackend, checksum, cxl_backend, dram_backend,
                                hbm_backend)
 from kvcluster.storage.aligned import aligned_empty, aligned_host_tensor
+from kvcluster.tiers import TIER_ORDER
 
 MAX_BLOCK = 2 << 20  # one 16-token block of Llama-3.1-8B in bf16: 32 layers x 2 x 8 heads x 16 x 128 x 2 B
 BATCHES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-BACKENDS = ("hbm", "dram", "cxl", "nvme", "pfs", "rdma")
+BACKENDS = TIER_ORDER  # every tier kind (kvcluster.tiers), fastest first
 # opt-in: rdma with payloads and landing buffers outside registered memory (RdmaTierActor's puts and gets, whose
 # payloads come from and go to the Ray object store): the staging copy's price against the same raw transfer
 EXTRA = ("rdma-staged",)

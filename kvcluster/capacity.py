@@ -63,7 +63,7 @@ def node_capacity(report: SizingReport, node: NodeTiers) -> CapacityReport:
     fits = node.tiers[0].name != "hbm" or node.tiers[0].usable_bytes >= weights
     return CapacityReport(
         model=report.model,
-        node=node.node,
+        node=node.name,
         dtype=report.dtype,
         bytes_per_token=report.bytes_per_token,
         context=report.context,

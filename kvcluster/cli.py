@@ -162,12 +162,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     policies = args.policies or ((args.policy,) if args.policy else ("lru", "bayes", "belady"))
     if args.live:
         return _cmd_replay_live(args, tuple(policies))
+    if args.topology and args.model:
+        raise ConfigError("--model: with --topology the cluster file's model sizes the blocks")
     options = ReplayOptions(
         policies=tuple(policies),
         capacity_blocks=args.capacity_blocks or (),
         capacity_frac=args.capacity_frac or (),
         tiers=args.tiers,
-        model=args.model,
+        topology=args.topology,
+        model=args.model or "llama-3.1-8b",
         node=args.node,
         prefetch_lead_s=args.prefetch_lead_s,
         calibration_horizon_s=args.calibration or 0.0,
@@ -194,7 +197,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     rows = [
         [r.get("deployment", r["policy"]), f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
          " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
-         f"{r['projected_ttft_s']['mean'] * 1e3:.1f}", f"{r['refs_per_s']:,}"]
+         f"{r['projected_ttft_s']['mean'] * 1e3:.1f}" if r.get("projected_ttft_s") else "-", f"{r['refs_per_s']:,}"]
         + ([f"{r['lookahead']['hit_rate']:.4f}" if "lookahead" in r else "-"] if args.lookahead_s else [])
         for r in report["results"] + report.get("reference_deployments", [])
     ]
@@ -221,7 +224,7 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     from .policies.registry import POLICIES, policy_names
     from .simulator import prepare
 
-    for flag, value in (("--tiers", args.tiers), ("--lookahead-s", args.lookahead_s),
+    for flag, value in (("--tiers", args.tiers), ("--topology", args.topology), ("--lookahead-s", args.lookahead_s),
                         ("--calibration", args.calibration), ("--plot", args.plot)):
         if value:
             raise ConfigError(f"{flag} is a simulator option; --live takes --cluster and --capacity-* per tier")
@@ -384,7 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     _capacity_options(rp)
     rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus vLLM/LMCache-style references "
                                     "(instead of --capacity-*)")
-    rp.add_argument("--model", default="llama-3.1-8b", help="model for block bytes and prefill FLOPs (default llama-3.1-8b)")
+    rp.add_argument("--topology", metavar="CLUSTER", help="a cluster YAML: one run over its first node's tiers as its "
+                                                          "control plane runs them, sized for the cluster's model; "
+                                                          "TTFT projected when the node names its gpu")
+    rp.add_argument("--model", help="model for block bytes and prefill FLOPs (default llama-3.1-8b)")
     rp.add_argument("--node", default="h100-node", help="tiers YAML for the cost model when capacity is in blocks "
                                                         "(default h100-node)")
     rp.add_argument("--prefetch-lead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",

@@ -1,13 +1,15 @@
-"""Cluster layout for the cache actors: which Ray node runs which tiers, sized in bytes.
+"""Cluster layout: which Ray node runs which tiers, sized in bytes, and everything that follows from it.
 
-`kvcluster cluster up` reads this. Tier capacities are given in GiB and turned
-into block slots with the sizing engine's block payload for the model, so a
-tier holds exactly as many blocks as its bytes allow.
+`kvcluster cluster up` reads this. A node is the tier spec's node (`tiers.NodeTiers`:
+tiers with capacity, bandwidth, latency and path, optionally its GPUs) plus where it
+runs, so the same file feeds the live actors, the control plane's hierarchy, the
+simulator (`kvcluster replay --topology`) and the cost model. Tier capacities are
+given in GiB and turned into block slots with the sizing engine's block payload for
+the model, so a tier holds exactly as many blocks as its bytes allow. `block_tokens`
+is set here only: the Serve app's replicas take it from this file.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,35 +18,41 @@ from .errors import ConfigError
 from .model_spec import load_model_spec
 from .predictor import PredictorConfig
 from .storage.layout import layout_for
+from .tiers import DURABLE_TIERS, NODE_TIERS, NodeTiers, TierSpec
 
 
 DEFAULT_POLICY = "bayes"  # what `kvcluster replay` runs by default too
 
 
-class TierEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NodeEntry(NodeTiers):
+    """A node of the cluster: the tier spec's node, whose tiers run as tier actors, and the Ray node it runs on."""
 
-    tier: Literal["dram", "cxl", "nvme", "pfs"]
-    capacity_gib: float = Field(gt=0)
-    path: str | None = Field(None, description="Directory (nvme: local to the node; pfs: shared by all nodes).")
-
-
-class NodeEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Name in actor names and the index.")
     ray_resource: str | None = Field(None, description="Custom resource that marks the Ray node; none: the head.")
-    tiers: list[TierEntry] = Field(min_length=1)
+
+    @field_validator("tiers")
+    @classmethod
+    def _actor_tiers(cls, tiers: list[TierSpec]) -> list[TierSpec]:
+        for t in tiers:
+            if t.tier not in NODE_TIERS:
+                raise ValueError(f"tier {t.tier!r} does not run as a node's tier actor (hbm lives in the model "
+                                 f"replicas, rdma is other nodes' pools); choose from {', '.join(NODE_TIERS)}")
+            if t.tier in DURABLE_TIERS and not t.path:
+                raise ValueError(f"tier {t.tier}: field path: the {t.tier} tier needs a directory")
+        return tiers
 
 
 class ClusterConfig(BaseModel):
+    """The whole cluster file: the model whose blocks it stores, its nodes, and the control plane's settings."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="A name under configs/models or a config path: sizes the blocks.")
-    block_tokens: int = Field(16, gt=0)
-    dtype: str | None = None
+    block_tokens: int = Field(16, gt=0, description="Tokens per KV block, for the whole cluster: the tier actors' "
+                              "slots, the replicas' block keys and the ingress's routing all use this one value.")
+    dtype: str | None = Field(None, description="KV dtype of the block payload (default: the model's).")
     checkpoint_dir: str = Field(description="Where the predictor checkpoints (on the shared filesystem).")
-    nodes: list[NodeEntry] = Field(min_length=1)
+    nodes: list[NodeEntry] = Field(min_length=1, description="The Ray nodes that run tier actors; the first is "
+                                   "the one `kvcluster replay --topology` simulates.")
     predictor: PredictorConfig = Field(PredictorConfig(), description="Priors and horizon of the cluster's "
                                        "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
     index_shards: int = Field(1, ge=1, le=64, description="Actors the global block index is split over by key "
@@ -68,8 +76,17 @@ class ClusterConfig(BaseModel):
     def block_bytes(self) -> int:
         return layout_for(load_model_spec(self.model), self.block_tokens, self.dtype).nbytes()
 
-    def slots(self, tier: TierEntry) -> int:
-        n = int(tier.capacity_gib * (1 << 30)) // self.block_bytes()
+    def node(self, name: str | None = None) -> NodeEntry:
+        """The node called `name` (None: the first)."""
+        if name is None:
+            return self.nodes[0]
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise ConfigError(f"nodes: no node {name!r}; the cluster has {', '.join(n.name for n in self.nodes)}")
+
+    def slots(self, tier: TierSpec) -> int:
+        n = tier.usable_bytes // self.block_bytes()
         if n < 1:
             raise ConfigError(f"tier {tier.tier} ({tier.capacity_gib} GiB) holds no {self.block_bytes()}-byte block")
         return n
@@ -77,10 +94,4 @@ class ClusterConfig(BaseModel):
 
 def load_cluster_config(name_or_path: str) -> ClusterConfig:
     """Read and validate a cluster YAML; errors name the file and the field."""
-    path = resolve_config(name_or_path, "cluster", ".yaml", "cluster file")
-    cfg = load_yaml_model(path, ClusterConfig, "cluster")
-    for node in cfg.nodes:
-        for t in node.tiers:
-            if t.tier in ("nvme", "pfs") and not t.path:
-                raise ConfigError(f"{path}: field nodes.{node.name}.{t.tier}.path: the {t.tier} tier needs a path")
-    return cfg
+    return load_yaml_model(resolve_config(name_or_path, "cluster", ".yaml", "cluster file"), ClusterConfig, "cluster")

@@ -19,18 +19,18 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .cache_manager import CacheManager, StorePlan
-from .cluster_config import ClusterConfig, TierEntry
+from .cluster_config import ClusterConfig
 from .control_plane import ControlPlane, Fetched
 from .plan_executor import Held, TierIO, execute
 from .policies.base import RequestContext
 from .simulator import TierPlan
-from .tiers import TIER_ORDER
+from .tiers import TIER_ORDER, TierSpec
 
 
 @dataclass(frozen=True)
 class ChainTier:
     node: str
-    tier: TierEntry
+    tier: TierSpec
     capacity_blocks: int  # the share this node's hierarchy may fill
 
     @property
@@ -44,7 +44,7 @@ class ChainTier:
 def node_chains(cfg: ClusterConfig, slots: Mapping[tuple[str, str], int] | None = None) -> dict[str, list[ChainTier]]:
     """Each node's tiers, fastest first, with the capacity its hierarchy may use. `slots[(node, tier)]`
     overrides a tier's blocks (default: the cluster's GiB / block bytes)."""
-    def cap(node: str, tier: TierEntry) -> int:
+    def cap(node: str, tier: TierSpec) -> int:
         return slots[(node, tier.tier)] if slots and (node, tier.tier) in slots else cfg.slots(tier)
 
     sharers = Counter(t.path for n in cfg.nodes for t in n.tiers if t.tier == "pfs")

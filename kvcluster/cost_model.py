@@ -1,5 +1,8 @@
 """Projected TTFT and throughput of a replay, from tier specs and prefill FLOPs.
 
+The tier specs are the one schema of `tiers.py`: a tiers file's node or a cluster
+file's node give the same figures (read bandwidth, latency, GPUs).
+
 TTFT of a request = time to load its hit blocks from the tiers that hold them
 (per-tier latency once per request, then bytes / read bandwidth) + time to
 prefill the missed tokens on the node's GPUs (dense + attention FLOPs at the
@@ -82,15 +85,15 @@ def _active_params(spec: ModelSpec) -> int:
 class CostModel:
     """Turns per-request hit counts into TTFT for one model on one node type."""
 
-    node: NodeTiers
-    tier_names: tuple[str, ...]  # the hierarchy's tiers, in order, matched to node specs
+    node: NodeTiers  # a tiers file's node, or a cluster file's (the same tier spec)
+    tier_names: tuple[str, ...]  # the hierarchy's tiers, in order: kinds, or a control plane's "node/kind" labels
     block_size: int
     block_bytes: int
     prefill: PrefillCost
 
     @cached_property
     def compute_flops_per_s(self) -> float:
-        gpu = self.node.gpu
+        gpu = self.node.require_gpu()
         per_copy = gpu.count / self.node.model_copies
         return gpu.dense_bf16_tflops * 1e12 * gpu.mfu * per_copy
 
@@ -102,8 +105,9 @@ class CostModel:
         """
         load = 0.0
         for name, hits in zip(self.tier_names, hits_per_tier):
-            if hits and name != "hbm":
-                load += self.node.tier(name).read_seconds(hits * self.block_bytes)
+            kind = name.rsplit("/", 1)[-1]
+            if hits and kind != "hbm":
+                load += self.node.tier(kind).read_seconds(hits * self.block_bytes)
         cached = min(input_tokens, (sum(hits_per_tier) + recomputed_blocks) * self.block_size)
         redo = min(cached, recomputed_blocks * self.block_size)
         compute = (self.prefill.flops(cached, input_tokens - cached) + self.prefill.flops(cached - redo, redo))
@@ -113,6 +117,7 @@ class CostModel:
 def make_cost_model(
     spec: ModelSpec, sizing: SizingReport, node: NodeTiers, tier_names: tuple[str, ...], block_size: int
 ) -> CostModel:
+    node.require_gpu()  # before any replay starts
     return CostModel(
         node=node,
         tier_names=tier_names,

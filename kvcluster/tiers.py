@@ -1,39 +1,115 @@
-"""The six memory tiers of a node, as a user writes them in configs/tiers/*.yaml.
+"""The one tier spec: what each kind of tier is, and how a node's tiers are written.
 
-Figures come from published hardware specs (each YAML cites its sources); the
-simulator's cost model and the capacity report read them from here.
+Every module that needs a set of tiers (their order, which ones lend their pool
+over NIXL, which ones keep bytes on disk, which ones a node's tier actors run)
+derives it from `TIER_KINDS` here, so adding or changing a kind is one edit.
+
+A node (`NodeTiers`) is the same schema wherever it is written: a tiers file
+(`configs/tiers/*.yaml`, a node type from published specs) or a node of a cluster
+file (`configs/cluster/*.yaml`, which adds where it runs). So one file can feed the
+cost model, the simulator's hierarchy and the live actors. A tier's bandwidth,
+latency and medium may be left out: the kind's figures below fill them in.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
 
-TierName = Literal["hbm", "dram", "cxl", "nvme", "rdma", "pfs"]
-TIER_ORDER: tuple[str, ...] = ("hbm", "dram", "cxl", "nvme", "rdma", "pfs")
 GB = 1e9
 GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class TierKind:
+    """The static properties of one kind of tier, and its default figures.
+
+    The defaults are rough values for one CPU box with local SSD (the embedded
+    default setup), for local experiments; a node type from published specs
+    (configs/tiers/h100-node.yaml) writes its own figures.
+    """
+
+    name: str
+    medium: str  # default description of the hardware
+    read_gbps: float  # default bandwidth into HBM, GB/s
+    write_gbps: float  # default bandwidth from HBM into the tier, GB/s
+    latency_us: float  # default per-transfer latency
+    nixl: bool  # its tier actor's pool is a registered slab other processes read over NIXL
+    durable: bool  # bytes live in files under a `path` and survive the actor's restart
+    node_actor: bool  # a node's tier actor runs it (hbm lives in the replicas; rdma is other nodes' pools)
+
+
+TIER_KINDS: tuple[TierKind, ...] = (  # fastest first: the order of every hierarchy
+    TierKind("hbm", "process memory standing in for HBM", 10, 10, 1,
+             nixl=False, durable=False, node_actor=False),
+    TierKind("dram", "host memory pool", 8, 8, 5,
+             nixl=True, durable=False, node_actor=True),
+    TierKind("cxl", "host memory pool, reported as emulated CXL", 6, 6, 5,
+             nixl=True, durable=False, node_actor=True),
+    TierKind("nvme", "local SSD through POSIX files", 2, 1, 100,
+             nixl=False, durable=True, node_actor=True),
+    TierKind("rdma", "NIXL UCX over loopback to other Ray nodes", 6, 6, 20,
+             nixl=False, durable=False, node_actor=False),
+    TierKind("pfs", "a local directory standing in for a shared filesystem", 1, 0.5, 500,
+             nixl=False, durable=True, node_actor=True),
+)
+KINDS: dict[str, TierKind] = {k.name: k for k in TIER_KINDS}
+TIER_ORDER: tuple[str, ...] = tuple(KINDS)
+NIXL_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.nixl)
+DURABLE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.durable)
+NODE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.node_actor)
+TierName = Literal[TIER_ORDER]  # type: ignore[valid-type]
+
+_FROM_KIND = ("medium", "read_gbps", "write_gbps", "latency_us")
+
+
+def _kind_figures(field: str) -> str:
+    """'hbm 10, dram 8, ...': the kinds' defaults of one figure, for the field's description."""
+    return ", ".join(f"{k.name} {getattr(k, field):g}" for k in TIER_KINDS)
+
+
 class TierSpec(BaseModel):
-    """One tier: how much it holds and how fast a replica reaches it."""
+    """One tier of a node: how much it holds, how fast a replica reaches it, and where its bytes live."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: TierName = Field(description="Tier id, fastest first: hbm, dram, cxl, nvme, rdma, pfs.")
-    medium: str = Field(description="The hardware, e.g. 'DDR5-4800, 2 TB per node'.")
-    capacity_gib: float = Field(gt=0, description="Raw capacity of the tier on one node, GiB.")
-    usable_fraction: float = Field(
-        1.0, gt=0, le=1, description="Share of the capacity given to the KV cache."
-    )
-    read_gbps: float = Field(gt=0, description="Bandwidth into HBM for one replica, GB/s (1e9 B/s).")
-    write_gbps: float = Field(gt=0, description="Bandwidth from HBM into the tier, GB/s.")
-    latency_us: float = Field(ge=0, description="Per-transfer latency, microseconds.")
+    tier: TierName = Field(description="Tier kind, fastest first: " + ", ".join(TIER_ORDER) + ".")
+    capacity_gib: float = Field(gt=0, description="Raw capacity of the tier on one node, GiB; the live actors turn "
+                                                  "the usable part into block slots of the model's block payload.")
+    usable_fraction: float = Field(1.0, gt=0, le=1, description="Share of the capacity given to the KV cache.")
+    medium: str | None = Field(None, description="The hardware, e.g. 'DDR5-4800, 2 TB per node' (default: the "
+                                                 "kind's).")
+    read_gbps: float | None = Field(None, gt=0, description="Bandwidth into HBM for one replica, GB/s (1e9 B/s); "
+                                    f"default: the kind's ({_kind_figures('read_gbps')}).")
+    write_gbps: float | None = Field(None, gt=0, description="Bandwidth from HBM into the tier, GB/s; default: the "
+                                     f"kind's ({_kind_figures('write_gbps')}).")
+    latency_us: float | None = Field(None, ge=0, description="Per-transfer latency, microseconds; default: the "
+                                     f"kind's ({_kind_figures('latency_us')}).")
+    path: str | None = Field(None, description="Directory of a durable tier's files (nvme: local to the node; "
+                                               "pfs: shared by all nodes); a cluster's nvme and pfs tiers need one.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_defaults(cls, data: Any) -> Any:
+        """Fill the figures left out from the kind (an unknown kind is left for the field check to name)."""
+        if isinstance(data, dict) and data.get("tier") in KINDS:
+            kind = KINDS[data["tier"]]
+            data = {**{f: getattr(kind, f) for f in _FROM_KIND}, **{k: v for k, v in data.items() if v is not None}}
+        return data
+
+    @property
+    def name(self) -> str:
+        return self.tier
+
+    @property
+    def kind(self) -> TierKind:
+        return KINDS[self.tier]
 
     @property
     def usable_bytes(self) -> int:
@@ -59,29 +135,37 @@ class GpuSpec(BaseModel):
 
 
 class NodeTiers(BaseModel):
-    """A node's tiers, fastest first, and its GPUs."""
+    """A node: its tiers, fastest first, and its GPUs. A cluster file's nodes are this plus where they run."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    node: str = Field(description="Name of the node type.")
-    gpu: GpuSpec
-    tiers: list[TierSpec] = Field(min_length=1, description="Tiers, fastest first.")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Name of the node (in a cluster: in actor "
+                                                                      "names and the index).")
+    gpu: GpuSpec | None = Field(None, description="The node's accelerators (prefill compute); the cost model "
+                                                  "needs it to project TTFT.")
+    tiers: list[TierSpec] = Field(min_length=1, description="Tiers, each kind once, in any order "
+                                                                  "(kept fastest first).")
     model_copies: int = Field(1, ge=1, description="Model replicas per node; each holds the weights in HBM.")
 
-    @model_validator(mode="after")
-    def _ordered_and_unique(self) -> "NodeTiers":
-        names = [tier.name for tier in self.tiers]
+    @field_validator("tiers")
+    @classmethod
+    def _unique_fastest_first(cls, tiers: list[TierSpec]) -> list[TierSpec]:
+        """Each kind once; kept fastest first whatever order they are written in (every hierarchy reads them so)."""
+        names = [tier.tier for tier in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names repeat: {names}")
-        if names != sorted(names, key=TIER_ORDER.index):
-            raise ValueError(f"tiers must be listed fastest first ({', '.join(TIER_ORDER)}), got {names}")
-        return self
+        return sorted(tiers, key=lambda t: TIER_ORDER.index(t.tier))
 
     def tier(self, name: str) -> TierSpec:
         for tier in self.tiers:
-            if tier.name == name:
+            if tier.tier == name:
                 return tier
-        raise ConfigError(f"node {self.node!r} has no tier {name!r}")
+        raise ConfigError(f"node {self.name!r} has no tier {name!r}")
+
+    def require_gpu(self) -> GpuSpec:
+        if self.gpu is None:
+            raise ConfigError(f"node {self.name!r}: field gpu: the cost model needs the node's GPUs")
+        return self.gpu
 
 
 def resolve_tiers_path(name_or_path: str) -> Path:
@@ -89,5 +173,5 @@ def resolve_tiers_path(name_or_path: str) -> Path:
 
 
 def load_node_tiers(name_or_path: str) -> NodeTiers:
-    """Read and validate a tiers YAML; errors name the file and the field."""
+    """Read and validate a tiers YAML (one node); errors name the file and the field."""
     return load_yaml_model(resolve_tiers_path(name_or_path), NodeTiers, "tiers")

@@ -35,6 +35,7 @@ class Section:
     title: str
     intro: str
     models: tuple[Model, ...]
+    tables: tuple[str, ...] = ()  # names of functions here that render a table after the intro
 
 
 SECTIONS = (
@@ -50,23 +51,30 @@ SECTIONS = (
     ),
     Section(
         "Cluster YAML",
-        "`configs/cluster/*.yaml`, read by `kvcluster cluster up|status|down` and by the Serve app's `cluster` "
-        "field (`kvcluster/cluster_config.py:load_cluster_config`; errors name the file and the field).",
+        "`configs/cluster/*.yaml`, read by `kvcluster cluster up|status|down`, by the Serve app's `cluster` "
+        "field, by `kvcluster replay --live --cluster` and by `kvcluster replay --topology` (the simulator and "
+        "the cost model over the first node's tiers) (`kvcluster/cluster_config.py:load_cluster_config`; errors "
+        "name the file and the field). Its nodes and tiers are the one node and tier spec below.",
         (
             Model("kvcluster.cluster_config:ClusterConfig", "The whole file."),
-            Model("kvcluster.cluster_config:NodeEntry", "Each entry of `nodes`."),
-            Model("kvcluster.cluster_config:TierEntry", "Each entry of a node's `tiers`."),
+            Model("kvcluster.cluster_config:NodeEntry", "Each entry of `nodes`: a [NodeTiers](#nodetiers) plus "
+                                                        "`ray_resource`."),
         ),
     ),
     Section(
-        "Tiers YAML",
-        "`configs/tiers/*.yaml`: a node's six tiers from published hardware specs, read by `kvcluster capacity`, "
-        "`kvcluster replay --tiers/--node` and `kvcluster report` (`kvcluster/tiers.py:load_node_tiers`).",
+        "Node and tier spec",
+        "One schema for a node and its tiers (`kvcluster/tiers.py`), written as a node of a cluster YAML or as a "
+        "whole tiers YAML (`configs/tiers/*.yaml`: a node type from published hardware specs, read by "
+        "`kvcluster capacity`, `kvcluster replay --tiers/--node` and `kvcluster report`; `load_node_tiers`). "
+        "Each tier kind's static properties and default figures are defined once, in `TIER_KINDS`; every module "
+        "that needs a set of tiers derives it from there. A tier's `medium`, `read_gbps`, `write_gbps` and "
+        "`latency_us` left out take the kind's defaults (rough figures for one CPU box with a local SSD):",
         (
-            Model("kvcluster.tiers:NodeTiers", "The whole file."),
+            Model("kvcluster.tiers:NodeTiers", "A whole tiers YAML, or each node of a cluster YAML."),
             Model("kvcluster.tiers:GpuSpec", "`gpu`: prefill compute for the cost model."),
-            Model("kvcluster.tiers:TierSpec", "Each entry of `tiers`."),
+            Model("kvcluster.tiers:TierSpec", "Each entry of a node's `tiers`."),
         ),
+        tables=("tier_kinds_table",),
     ),
     Section(
         "Library and actor settings",
@@ -100,7 +108,12 @@ SECTIONS = (
 
 # What custom validators check (the models' own constraints are read from the fields).
 VALIDATOR_NOTES = {
-    "NodeTiers": "tier names are unique and listed fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
+    "TierSpec": "`medium`, `read_gbps`, `write_gbps` and `latency_us` left out take the kind's defaults "
+                "(table above)",
+    "ServeAppConfig": "`block_tokens` is set here only for an app without a cluster",
+    "NodeTiers.tiers": "each kind at most once; kept fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
+    "NodeEntry.tiers": "each kind at most once, kept fastest first; only kinds a node's tier actor runs (dram, "
+                       "cxl, nvme, pfs); nvme and pfs need a `path`",
     "CompletionRequest.prompt": "token ids must be >= 0",
     "CompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
     "ChatCompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
@@ -108,10 +121,11 @@ VALIDATOR_NOTES = {
 }
 # Checks made outside the model (on loading, or by the server), worth knowing when writing the field.
 EXTRA_NOTES = {
-    "ClusterConfig": "On loading, every nvme and pfs tier needs a `path`, and every tier must hold at least one "
-                     "block of the model's payload (`block_tokens` x bytes per token).",
-    "ServeAppConfig": "`block_tokens` and the model must give the block size the cluster YAML's model sizes, or "
-                      "the replica refuses to start.",
+    "ClusterConfig": "When the actors start, every tier must hold at least one block of the model's payload "
+                     "(`block_tokens` x bytes per token).",
+    "ServeAppConfig": "With a cluster, the block size is the cluster YAML's (`block_tokens` there); the app's "
+                      "model and dtype must give the same block bytes as the cluster's, or the replica refuses "
+                      "to start.",
     "CompletionRequest": "Prompts x `n` is at most 128 (and at most the app's `max_inflight_requests`); "
                          "`max_tokens` above the app's `max_tokens_limit` or beyond the context window is a 400.",
     "ChatCompletionRequest": "`max_completion_tokens` wins over `max_tokens`; without either the app's "
@@ -128,13 +142,6 @@ FALLBACK_DESCRIPTIONS = {
     "AutoscalingSettings.min_replicas": "Replicas kept running at least.",
     "AutoscalingSettings.max_replicas": "Replicas started at most.",
     "AutoscalingSettings.target_ongoing_requests": "Ongoing requests per replica Serve scales towards.",
-    "ClusterConfig.block_tokens": "Tokens per KV block (the Serve app's `block_tokens` must match).",
-    "ClusterConfig.dtype": "KV dtype of the block payload (default: the model's).",
-    "ClusterConfig.nodes": "The Ray nodes that run tier actors.",
-    "NodeEntry.tiers": "Tiers of this node (hbm stays in the model replicas).",
-    "TierEntry.tier": "Which backend: dram, cxl, nvme or pfs.",
-    "TierEntry.capacity_gib": "Capacity in GiB, turned into block slots with the model's block payload.",
-    "NodeTiers.gpu": "The node's accelerators (prefill compute).",
     "_Common.temperature": "Sampling temperature; 0 is greedy (default 1).",
     "_Common.top_p": "Nucleus sampling mass (default 1).",
     "_Common.n": "Choices per prompt (choice i samples with seed + i).",
@@ -304,6 +311,19 @@ def render_model(model: Model, known: set[str]) -> list[str]:
     return lines + [""]
 
 
+def tier_kinds_table() -> list[str]:
+    """The tier kinds, from `kvcluster.tiers.TIER_KINDS` (the one place they are defined)."""
+    from kvcluster.tiers import TIER_KINDS
+
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    rows = ["| kind | NIXL (memory pool lent) | durable (files under `path`) | node tier actor | default medium "
+            "| read GB/s | write GB/s | latency us |", "|---|---|---|---|---|---|---|---|"]
+    for k in TIER_KINDS:
+        rows.append(f"| `{k.name}` | {yes(k.nixl)} | {yes(k.durable)} | {yes(k.node_actor)} | {cell(k.medium)} "
+                    f"| {k.read_gbps:g} | {k.write_gbps:g} | {k.latency_us:g} |")
+    return rows + [""]
+
+
 def render() -> str:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -326,6 +346,8 @@ def render() -> str:
     lines.append("")
     for section in SECTIONS:
         lines += [f"## {section.title}", "", section.intro, ""]
+        for table in section.tables:
+            lines += globals()[table]()
         for model in section.models:
             lines += render_model(model, known)
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -36,10 +36,9 @@ from kvcluster.keys import BlockKey
 from kvcluster.policies.base import RequestContext
 from kvcluster.serving.block_store import LocalBlockStore
 from kvcluster.storage import RDMABackend, StorageError
-from kvcluster.tiers import TIER_ORDER
+from kvcluster.tiers import NIXL_TIERS, TIER_ORDER  # NIXL_TIERS: memory tiers whose slab a replica reads over NIXL
 
 log = logging.getLogger(__name__)
-NIXL_TIERS = ("dram", "cxl")  # memory tiers whose slab a replica reads over NIXL
 NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through the object store this long
 
 

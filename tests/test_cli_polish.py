@@ -137,7 +137,7 @@ def test_config_docs_are_up_to_date() -> None:
     spec.loader.exec_module(module)
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert module.render() == committed, "docs/configuration.md is stale: run .venv/bin/python scripts/gen_config_docs.py"
-    for name in ("ServeAppConfig", "AutoscalingSettings", "ClusterConfig", "NodeEntry", "TierEntry",
+    for name in ("ServeAppConfig", "AutoscalingSettings", "ClusterConfig", "NodeEntry", "TierSpec",
                  "TierActorConfig", "PredictorConfig", "NodeTiers", "SamplingParams", "CompletionRequest",
                  "ChatCompletionRequest"):
         assert f"### {name}\n" in committed
