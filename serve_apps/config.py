@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class AutoscalingSettings(BaseModel):
@@ -24,7 +24,9 @@ class ServeAppConfig(BaseModel):
     seed: int = Field(0, description="Seed of random weights; every replica builds the same model.")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Where the model runs; auto: CUDA when "
                                                                           "the replica sees a GPU.")
-    block_tokens: int = Field(16, gt=0, description="Tokens per KV block (must match the cluster config).")
+    block_tokens: int | None = Field(None, gt=0, description="Tokens per KV block of an app without a cluster "
+                                     "(`cluster: null`; default 16). With a cluster the cluster YAML's "
+                                     "`block_tokens` is the one value, and setting it here too is an error.")
     hbm_blocks: int = Field(512, ge=1, description="Blocks the replica's own tier (hbm) holds.")
     cluster: str | None = Field("local", description="Cluster YAML (configs/cluster) of the tier actors; "
                                                      "None: the replica's hbm tier only.")
@@ -62,6 +64,14 @@ class ServeAppConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty: no auth "
                                                                   "(KVCLUSTER_API_KEYS=comma,separated also works).")
     root_seed: str = Field("kvcluster-v1", description="Block-key root; every node and replica must agree.")
+
+    @model_validator(mode="after")
+    def _one_block_size(self) -> "ServeAppConfig":
+        if self.cluster is not None and self.block_tokens is not None:
+            raise ValueError("block_tokens: the cluster YAML sets it (block_tokens there); leave it out here")
+        if self.cluster is None and self.block_tokens is None:
+            self.block_tokens = 16
+        return self
 
     def keys(self) -> list[str]:
         env = [k for k in os.environ.get("KVCLUSTER_API_KEYS", "").split(",") if k]

@@ -294,7 +294,7 @@ class OpenAIIngress:
         if self.index is None:
             return None
         self._confirm_keyspace()
-        b = self.cfg.block_tokens
+        b = self.cluster.block_tokens  # the cluster YAML's, as the replicas key blocks
         usable = (len(job["prompt_ids"]) - 1) // b
         keys = self.keyspace.chain_token_ids(job["prompt_ids"][: usable * b], b, job["cache_salt"])
         if not keys:

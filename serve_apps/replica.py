@@ -51,7 +51,8 @@ class KVReplica:
         self.loaded = load_model(self.cfg.model, self.cfg.dtype, self.cfg.seed, self.cfg.name,
                                  device=self.cfg.resolved_device())
         cluster = cache_cluster(self.cfg)
-        runner = ModelRunner(self.loaded, None, self.cfg.block_tokens, self.cfg.root_seed)
+        block_tokens = cluster.block_tokens if cluster is not None else self.cfg.block_tokens
+        runner = ModelRunner(self.loaded, None, block_tokens, self.cfg.root_seed)
         block = runner.layout.nbytes()
         self.policy = cluster.policy if cluster is not None else DEFAULT_POLICY
         hbm = LocalBlockStore(TieredStore([hbm_backend(self.cfg.hbm_blocks, block)], block, self.policy))
@@ -59,7 +60,7 @@ class KVReplica:
         if cluster is not None:
             if cluster.block_bytes() != block:
                 raise ValueError(f"cluster {self.cfg.cluster!r} sizes {cluster.block_bytes()}-byte blocks but "
-                                 f"{self.cfg.model} with {self.cfg.block_tokens}-token blocks needs {block}")
+                                 f"{self.cfg.model} with {block_tokens}-token blocks needs {block}")
             here = ray.get_runtime_context().get_node_id()
             self.node = next((name for name, nid in node_ids(cluster).items() if nid == here), None)
             staging = max(32 << 20, 8 * block) if self.cfg.nixl_fetch else None
@@ -69,7 +70,7 @@ class KVReplica:
             runner.store = hbm
         self.runner = runner
         self._hbm = hbm
-        self._gap = BeladyGapEstimator(self.cfg.hbm_blocks, policy=self.policy, block_size=self.cfg.block_tokens)
+        self._gap = BeladyGapEstimator(self.cfg.hbm_blocks, policy=self.policy, block_size=block_tokens)
         self._gap_task: asyncio.Task | None = None
         self._evictions_reported = 0
         self._model_lock = threading.Lock()  # one forward at a time; requests interleave between steps

@@ -425,7 +425,7 @@ def test_cluster_blocks_match_the_served_model(rel, tmp_path):
     objs = render(rel)
     cluster = cluster_yaml(objs, tmp_path)
     args = app_args(one(objs, "RayService"))
-    served = layout_for(load_model_spec(args.model), args.block_tokens, args.dtype).nbytes()
+    served = layout_for(load_model_spec(args.model), cluster.block_tokens, args.dtype).nbytes()
     assert cluster.block_bytes() == served  # else every replica refuses to start (serve_apps/replica.py)
 
 
