@@ -76,6 +76,14 @@ class KVClusterConnector(KVConnectorBase_V1):
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigError("kv_transfer_config.kv_load_failure_policy must be 'recompute' for "
                               "KVClusterConnector: a block that fails its checksum is a miss to recompute")
+        executor = vllm_config.parallel_config.distributed_executor_backend
+        if executor != "uni":
+            raise ConfigError(
+                f"KVClusterConnector keeps its store in the engine-core process, next to one in-process worker; "
+                f"this engine runs its workers through the {executor!r} executor (other processes), where the "
+                f"scheduler could not see what the workers store. Use one worker in the engine process: "
+                f"distributed_executor_backend='uni' with tensor_parallel_size=1 (on CPU vLLM picks 'mp' unless "
+                f"VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ConfigError(f"KVClusterConnector handles models with one KV cache group, this one has "

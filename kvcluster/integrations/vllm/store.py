@@ -1,8 +1,8 @@
 """The tiers behind the vLLM connector: configured from `kv_connector_extra_config`, one store per engine.
 
 vLLM builds two connector objects per engine, one for the scheduler and one for the worker; with one
-worker (the in-process and the default engine-core modes) both live in the engine-core process, so they
-share one `LocalBlockStore` through `shared_store`, keyed by the engine's config instance id: the
+worker in the engine-core process (the "uni" executor; the connector refuses others) both live there, so
+they share one `LocalBlockStore` through `shared_store`, keyed by the engine's config instance id: the
 scheduler asks it what it holds, the worker moves the bytes. A store over a `pfs` (file) tier adopts the
 block files already there, so a fresh engine finds the blocks an earlier one wrote; the `dram` and `nvme`
 tiers start empty with their process (the nvme slab's index lives in memory).
