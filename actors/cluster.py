@@ -133,7 +133,7 @@ def status(cfg: ClusterConfig) -> dict:
     except ValueError:
         out["index"] = None
     try:
-        out["control"] = ControlClient.connect(timeout_s=30).stats(timeout_s=30)
+        out["control"] = ControlClient.connect().stats(timeout_s=30)
     except ValueError:
         out["control"] = None
     return out

@@ -322,8 +322,8 @@ class OpenAIIngress:
         if not self.cfg.prefetch_queued or self.inflight <= self._serving_slots() or not keys:
             return False
         try:
-            if self._control is None:  # found once, off the event loop (it asks shard 0 for the count)
-                self._control = await asyncio.to_thread(ControlClient.connect, timeout_s=5.0)
+            if self._control is None:  # found once, by name, off the event loop (a GCS lookup)
+                self._control = await asyncio.to_thread(ControlClient.connect)
             self._control.prefetch(node, keys)
         except (ValueError, ray.exceptions.RayError, TimeoutError):  # no control plane: it reads where it is
             self._control = None

@@ -78,11 +78,23 @@ def assert_all_correct(results, expected) -> None:
     assert not bad, bad
 
 
+def answered(call, timeout: float = 60.0):
+    """`call()`'s answer once the actor it asks is back: a restarting actor refuses calls until then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_tier_actor_killed_mid_load(endpoint, expected):
     dram = ray.get_actor("kvcluster/n0/dram", namespace=NAMESPACE)
     results = under_load(endpoint, lambda: ray.kill(dram, no_restart=False))
     assert_all_correct(results, expected)  # misses refilled from recompute, never wrong KV
-    assert ray.get(dram.describe.remote(), timeout=60)["tier"] == "dram"  # it came back
+    assert answered(lambda: ray.get(dram.describe.remote(), timeout=60))["tier"] == "dram"  # it came back
     control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
     assert ray.get(control.stats.remote(), timeout=60)["resyncs"] >= 1  # and the control plane re-read it
     wait_metric('kind="restarted"')
