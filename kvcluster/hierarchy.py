@@ -10,9 +10,20 @@ tier to a storage backend and moves the bytes this class decides to move.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Container, Sequence
+from typing import Callable, Container, Sequence
 
 from .policies.base import EvictionPolicy, RequestContext
+
+
+def leading_tiers(locate: Callable[[int], int | None], blocks: Sequence[int]) -> list[int]:
+    """Tier of each block of the leading run that `locate` finds somewhere."""
+    out = []
+    for block in blocks:
+        tier = locate(block)
+        if tier is None:
+            break
+        out.append(tier)
+    return out
 
 
 @dataclass(frozen=True)
@@ -62,13 +73,7 @@ class Hierarchy:
         """Tier of each block in the leading run that is resident somewhere."""
         if len(self.policies) == 1:
             return [0] * self.policies[0].prefix_hits(blocks)
-        out = []
-        for block in blocks:
-            tier = self.locate(block)
-            if tier is None:
-                break
-            out.append(tier)
-        return out
+        return leading_tiers(self.locate, blocks)
 
     def serve(self, blocks: Sequence[int], ctx: RequestContext, pinned: Container[int] = ()) -> ServeResult:
         """Count the prefix hit, then make every block of the request resident in tier 0.

@@ -133,7 +133,8 @@ def run_replay(
         for policy in options.policies:
             results.append(
                 replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
-                       control_shards=options.control_shards, progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
+                       control_shards=options.control_shards,
+                       progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
             )
             if options.lookahead_s > 0:  # a separate figure, never mixed into the one above
                 ahead = replay(trace, policy, plan, lookahead_s=options.lookahead_s)

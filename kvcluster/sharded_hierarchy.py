@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Container, Sequence
 
-from .hierarchy import Hierarchy, ServeResult, TierCounters
+from .hierarchy import Hierarchy, ServeResult, TierCounters, leading_tiers
 from .policies.base import RequestContext
 
 
@@ -62,13 +62,7 @@ class ShardedHierarchy:
         return self.shards[self.shard_of(block)].locate(block)
 
     def prefix_tiers(self, blocks: Sequence[int]) -> list[int]:
-        out = []
-        for block in blocks:
-            tier = self.locate(block)
-            if tier is None:
-                break
-            out.append(tier)
-        return out
+        return leading_tiers(self.locate, blocks)
 
     def serve(self, blocks: Sequence[int], ctx: RequestContext, pinned: Container[int] = ()) -> ServeResult:
         hit_tier = self.prefix_tiers(blocks)

@@ -52,7 +52,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def engine(model_dir: Path, tiers: list[dict] | None = None):
-    """An engine with dummy (seeded, so identical) weights; with the kvcluster connector when `tiers`."""
+    """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
+    connector when `tiers`."""
     kw = {}
     if tiers is not None:
         kw["kv_transfer_config"] = {

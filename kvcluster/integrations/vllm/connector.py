@@ -256,16 +256,20 @@ class KVClusterConnector(KVConnectorBase_V1):
     # -- bytes ---------------------------------------------------------------------------------
 
     def _gather(self, block_ids: list[int]) -> list[np.ndarray]:
-        """Blocks' bytes, every layer's block one after another: one (blocks, block_bytes) copy."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8) for t in self._layers]
-        packed = torch.cat(parts, dim=1).numpy()
-        return list(packed)
+        """Blocks' bytes, every layer's block one after another: each layer's block copied once, straight into
+        the block's payload."""
+        page, out = self._page_bytes, []
+        for b in block_ids:
+            payload = torch.empty(page * len(self._layers), dtype=torch.uint8)
+            for i, t in enumerate(self._layers):
+                payload[i * page:(i + 1) * page].copy_(t[b].reshape(-1).view(torch.uint8))
+            out.append(payload.numpy())
+        return out
 
     def _scatter(self, block_ids: tuple[int, ...], payloads: list[np.ndarray]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        packed = torch.from_numpy(np.stack(payloads))
+        """Each layer's part of each payload copied once, straight into its paged block."""
         page = self._page_bytes
-        for i, t in enumerate(self._layers):
-            chunk = packed[:, i * page:(i + 1) * page].contiguous().view(t.dtype)
-            t.index_copy_(0, idx, chunk.view((len(block_ids),) + tuple(t.shape[1:])))
+        for b, payload in zip(block_ids, payloads):
+            src = torch.from_numpy(np.ascontiguousarray(payload).view(np.uint8))
+            for i, t in enumerate(self._layers):
+                t[b].reshape(-1).view(torch.uint8).copy_(src[i * page:(i + 1) * page])

@@ -5,8 +5,8 @@ engine: the figures the README's vLLM section quotes.
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
         .venv-vllm/bin/python -m kvcluster.integrations.vllm.ttft --tokens 1000 --prompts 5 --json
 
-The model is kvcluster's tiny Llama config with dummy weights (seeded, so every engine has the same ones)
-and the offline tokenizer. Each figure is the median over `--prompts` distinct random prompts, one
+The model is kvcluster's tiny Llama config with random weights (vLLM's load_format="dummy", seeded, so every
+engine has the same ones) and the offline tokenizer. Each figure is the median over `--prompts` distinct random prompts, one
 request at a time, `max_tokens=1`.
 """
 
