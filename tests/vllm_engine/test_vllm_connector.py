@@ -2,9 +2,9 @@
 
 The reference for a prefix loaded from kvcluster is the same prompt served from vLLM's own prefix cache:
 the same KV bytes through the same kernels, so the log-probabilities must match bit for bit; the greedy
-tokens must match a cold recompute. Runs only where vLLM is installed (`bash scripts/setup_vllm.sh`,
-then `.venv-vllm/bin/python -m pytest tests/test_vllm_connector.py`): the engine's CPU build needs a
-transformers release the main venv does not carry.
+tokens must match a cold recompute. Runs in .venv-vllm (built by `bash scripts/setup.sh`): the engine's CPU
+build needs a transformers release the main venv does not carry. The main suite runs this directory there
+(tests/test_vllm_engine.py); by hand: `.venv-vllm/bin/python -m pytest -q tests/vllm_engine`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed here; run `bash scripts/setup_vllm.sh` and "
-                   "`.venv-vllm/bin/python -m pytest tests/test_vllm_connector.py`")
+    "vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh` and "
+                   "`.venv-vllm/bin/python -m pytest -q tests/vllm_engine`")
 
 from kvcluster.integrations.vllm.store import engine_stores  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 from kvcluster.tokenizer import tokenizer_dir  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128  # vLLM's block size on CPU
 PROMPT = [random.Random(7).randrange(3, 32000) for _ in range(4 * BLOCK + 88)]  # 4 full blocks and a tail
 FINGERPRINT = "test-tiny-llama-dummy-f32"
