@@ -197,12 +197,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     rows = [
         [r.get("deployment", r["policy"]), f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
          " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
-         f"{r['projected_ttft_s']['mean'] * 1e3:.1f}" if r.get("projected_ttft_s") else "-", f"{r['refs_per_s']:,}"]
+         f"{r['projected_ttft_s']['mean'] * 1e3:.1f}" if r.get("projected_ttft_s") else "-",
+         f"{r['cost']['usd_per_million_prompt_tokens']:.4f}" if r.get("cost") else "-", f"{r['refs_per_s']:,}"]
         + ([f"{r['lookahead']['hit_rate']:.4f}" if "lookahead" in r else "-"] if args.lookahead_s else [])
         for r in report["results"] + report.get("reference_deployments", [])
     ]
-    print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "refs/s"]
+    print(_table(rows, ["policy", "capacity", "hit rate", "per tier", "TTFT ms", "USD/M prompt tok", "refs/s"]
                  + ([f"hit, {args.lookahead_s:g} s look-ahead"] if args.lookahead_s else [])))
+    if report.get("unpriced"):
+        print("cost per million prompt tokens: not priced; the node's file lacks " + ", ".join(report["unpriced"]))
     if "calibration" in report:
         cal = report["calibration"]
         print(f"\nreuse-gap predictor, P(reuse within {cal['horizon_s']:g} s) over {cal['references']:,} refs: "
@@ -385,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--policies", type=_csv(str), metavar="P[,P...]",
                        help="comma-separated policies (default lru,bayes,belady)")
     _capacity_options(rp)
-    rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus vLLM/LMCache-style references "
+    rp.add_argument("--tiers", help="a tiers YAML: one run over all its tiers, plus HBM-only and HBM+DRAM LRU references "
                                     "(instead of --capacity-*)")
     rp.add_argument("--topology", metavar="CLUSTER", help="a cluster YAML: one run over its first node's tiers as its "
                                                           "control plane runs them, sized for the cluster's model; "

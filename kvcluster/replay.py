@@ -6,8 +6,11 @@ a cluster file's node (--topology: the hierarchy its control plane runs, fastest
 first, ending in its share of pfs, each tier's KV bytes / block bytes for the
 cluster's model; its bandwidths and GPUs, when given, feed the cost model).
 With a tiers file the report also runs the two reference deployments the cost
-model compares against: HBM-only LRU (vLLM-style prefix caching) and HBM+DRAM
-LRU (LMCache-style offload).
+model compares against, named for what they are: `hbm-only-lru` (prefix caching
+in GPU memory alone) and `hbm-dram-lru` (the same, offloading to host memory).
+When the node's file prices its GPUs and tiers (`pricing.py`), every deployment
+also reports its cost per million prompt tokens; otherwise the report lists the
+price fields it lacks.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from .cluster_control import node_chains
 from .cost_model import CostModel, make_cost_model
 from .errors import ConfigError
 from .model_spec import load_model_spec
+from .pricing import missing_prices
 from .policies.registry import policy_names
 from .simulator import PreparedTrace, ReplayResult, TierPlan, replay
 from .sizing import size_model
 from .tiers import load_node_tiers
 
-REFERENCE_DEPLOYMENTS = (("vllm-prefix-lru", ("hbm",)), ("lmcache-lru", ("hbm", "dram")))
+REFERENCE_DEPLOYMENTS = (("hbm-only-lru", ("hbm",)), ("hbm-dram-lru", ("hbm", "dram")))
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,9 @@ def run_replay(
         out["topology"] = {"cluster": options.topology, "node": cluster.node().name}
     if options.tiers:
         out["reference_deployments"] = _references(options, trace, block_bytes)
+    priced = cost_model_for(options, plan, trace.block_size) if (options.tiers or options.topology) else None
+    if priced is not None and missing_prices(priced.node, priced.tier_names):
+        out["unpriced"] = missing_prices(priced.node, priced.tier_names)
     if options.calibration_horizon_s > 0:
         from .calibration import calibrate
 

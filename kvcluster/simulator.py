@@ -22,6 +22,7 @@ from .policies.base import FAR, RequestContext
 from .policies.registry import POLICIES, make_policy
 from .predictor import PredictorConfig, ReusePredictor
 from .prefetch import Prefetcher
+from .pricing import cost_per_million_prompt_tokens
 from .sharded_hierarchy import ShardedHierarchy, shard_capacities
 from .traces.base import Trace
 
@@ -108,6 +109,7 @@ class ReplayResult:
     partial_hit_rate: float = 0.0  # blocks in the prefix run with some head shards recomputed
     projected_ttft_s: dict | None = None
     throughput: dict | None = None
+    cost: dict | None = None  # USD per hour and per million prompt tokens (a priced node; see pricing.py)
     prefetch: dict | None = None
     predictor: list[dict] | None = None
     lookahead: dict | None = None  # the same replay with queue look-ahead: {"lookahead_s", "hit_rate"}
@@ -348,6 +350,7 @@ def replay(
             "requests_per_s": len(ttfts) / busy if busy else math.inf,
             "prefill_tokens_per_s": sum(trace.input_tokens) / busy if busy else math.inf,
         }
+        out.cost = cost_per_million_prompt_tokens(cost.node, cost.tier_names, out.throughput["prefill_tokens_per_s"])
     if prefetcher is not None:
         out.prefetch = prefetcher.stats.__dict__.copy()
     first = hierarchy.shards[0] if isinstance(hierarchy, ShardedHierarchy) else hierarchy

@@ -93,6 +93,17 @@ class TierSpec(BaseModel):
                                      f"kind's ({_kind_figures('latency_us')}).")
     path: str | None = Field(None, description="Directory of a durable tier's files (nvme: local to the node; "
                                                "pfs: shared by all nodes); a cluster's nvme and pfs tiers need one.")
+    usd_per_gib_month: float | None = Field(None, ge=0, description="Price of one GiB of the tier for a month (bought "
+                                            "hardware: its price over the months it is written off); the replay's "
+                                            "cost per million prompt tokens charges the usable part. Needs "
+                                            "price_source.")
+    price_source: str | None = Field(None, min_length=1, description="Where usd_per_gib_month comes from.")
+
+    @model_validator(mode="after")
+    def _price_cited(self) -> "TierSpec":
+        if self.usd_per_gib_month is not None and not self.price_source:
+            raise ValueError("usd_per_gib_month needs a price_source that says where the price comes from")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -132,6 +143,16 @@ class GpuSpec(BaseModel):
     count: int = Field(ge=1, description="GPUs per node.")
     dense_bf16_tflops: float = Field(gt=0, description="Dense BF16 peak per GPU, TFLOPS.")
     mfu: float = Field(0.5, gt=0, le=1, description="Achieved fraction of peak during prefill.")
+    usd_per_gpu_hour: float | None = Field(None, ge=0, description="Price of one GPU for an hour (HBM included); "
+                                           "the replay's cost per million prompt tokens needs it. Needs "
+                                           "price_source.")
+    price_source: str | None = Field(None, min_length=1, description="Where usd_per_gpu_hour comes from.")
+
+    @model_validator(mode="after")
+    def _price_cited(self) -> "GpuSpec":
+        if self.usd_per_gpu_hour is not None and not self.price_source:
+            raise ValueError("usd_per_gpu_hour needs a price_source that says where the price comes from")
+        return self
 
 
 class NodeTiers(BaseModel):

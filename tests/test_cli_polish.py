@@ -77,7 +77,7 @@ def test_report_writes_three_pngs_and_json(capsys, tmp_path: Path) -> None:
     sweep = report["hit_rate_vs_capacity"]
     assert sweep["source"] == "replayed" and len(sweep["results"]) == 6
     runs = report["over_tiers"]["runs"]
-    assert [r["label"] for r in runs] == ["lru", "bayes", "vllm-prefix-lru", "lmcache-lru"]
+    assert [r["label"] for r in runs] == ["lru", "bayes", "hbm-only-lru", "hbm-dram-lru"]
     lru = runs[0]
     assert list(lru["occupancy"]["tiers"]) == ["hbm", "dram", "cxl", "nvme", "rdma", "pfs"]
     assert lru["occupancy"]["request"][-1] == report["requests"] - 1

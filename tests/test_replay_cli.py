@@ -39,8 +39,34 @@ def test_replay_over_a_node_s_tiers_reports_references(capsys, tmp_path: Path) -
                         "--model", "kvcluster-tiny-llama", "--prefetch-lead-s", "1", "--plot", str(png), "--json")
     assert code == 0 and png.stat().st_size > 1000
     assert [t["name"] for t in data["results"][0]["tiers"]] == ["hbm", "dram", "cxl", "nvme", "rdma", "pfs"]
-    assert [r["deployment"] for r in data["reference_deployments"]] == ["vllm-prefix-lru", "lmcache-lru"]
+    assert [r["deployment"] for r in data["reference_deployments"]] == ["hbm-only-lru", "hbm-dram-lru"]
     assert "prefetch" in data["results"][0]
+    # the embedded default's stand-in node names no prices: the report says which fields it lacks
+    assert "cost" not in data["results"][0]
+    assert data["unpriced"] == ["gpu.usd_per_gpu_hour"] + [f"tiers[{k}].usd_per_gib_month"
+                                                           for k in ("dram", "cxl", "nvme", "rdma", "pfs")]
+
+
+def test_replay_over_a_priced_node_reports_cost_per_million_prompt_tokens(capsys) -> None:
+    from kvcluster.pricing import HOURS_PER_MONTH
+    from kvcluster.tiers import GIB, load_node_tiers
+
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policy", "lru", "--tiers", "h100-node",
+                        "--model", "kvcluster-tiny-llama", "--json")
+    assert code == 0 and "unpriced" not in data
+    node = load_node_tiers("h100-node")
+    gpus = 8 * node.gpu.usd_per_gpu_hour
+    per_tier = {t.tier: t.usable_bytes / GIB * t.usd_per_gib_month / HOURS_PER_MONTH for t in node.tiers[1:]}
+    six, only_hbm, with_dram = data["results"][0], *data["reference_deployments"]
+    assert only_hbm["cost"]["usd_per_hour"] == pytest.approx(gpus)
+    assert with_dram["cost"]["usd_per_hour"] == pytest.approx(gpus + per_tier["dram"])
+    assert six["cost"]["usd_per_hour"] == pytest.approx(gpus + sum(per_tier.values()))
+    for row in (six, only_hbm, with_dram):
+        tokens_per_hour = row["throughput"]["prefill_tokens_per_s"] * 3600
+        assert row["cost"]["usd_per_million_prompt_tokens"] == pytest.approx(
+            row["cost"]["usd_per_hour"] / tokens_per_hour * 1e6)
+    assert main(["replay", FIXTURE, "--policy", "lru", "--tiers", "h100-node", "--model", "kvcluster-tiny-llama"]) == 0
+    assert "USD/M prompt tok" in capsys.readouterr().out
 
 
 def test_replay_calibration_reports_brier_and_reliability(capsys) -> None:
