@@ -10,9 +10,8 @@ share that came true.
 
 from __future__ import annotations
 
-from .policies.base import RequestContext
 from .policies.bayes import BayesPolicy
-from .simulator import PreparedTrace
+from .simulator import PreparedTrace, request_context
 
 
 def calibrate(trace: PreparedTrace, horizon_s: float = 60.0) -> dict:
@@ -32,8 +31,7 @@ def calibrate(trace: PreparedTrace, horizon_s: float = 60.0) -> dict:
     brier = base = 0.0
     n = 0
     for i, blocks in enumerate(trace.blocks):
-        ctx = RequestContext(index=i, now=trace.arrivals[i], block_types=trace.types[i],
-                             transition=trace.transitions[i], session=trace.sessions[i])
+        ctx = request_context(trace, i)
         for p, gap in zip(policy.predict_within(blocks, ctx, horizon_s), next_time[i]):
             y = 1 if gap <= horizon_s else 0
             brier += (p - y) ** 2

@@ -40,6 +40,8 @@ class PreparedTrace:
     input_tokens: tuple[int, ...]
     sessions: tuple[str, ...]
     unique_blocks: int
+    finishes: tuple[str, ...] = ()  # how each request's generation ended ("" unknown); empty: none known
+    output_tokens: tuple[int, ...] = ()  # tokens each request generated (0 unknown); empty: none known
 
     @property
     def requests(self) -> int:
@@ -77,7 +79,8 @@ def request_context(trace: PreparedTrace, i: int, next_use: Sequence[int] | None
     """What a policy knows when request `i` arrives; the live replay builds the same."""
     return RequestContext(index=i, now=trace.arrivals[i], block_types=trace.types[i],
                           transition=trace.transitions[i], next_use=next_use, session=trace.sessions[i],
-                          future=future)
+                          future=future, finish=trace.finishes[i] if trace.finishes else "",
+                          output_tokens=trace.output_tokens[i] if trace.output_tokens else 0)
 
 
 def prepare(trace: Trace) -> PreparedTrace:
@@ -93,6 +96,8 @@ def prepare(trace: Trace) -> PreparedTrace:
         input_tokens=tuple(int(r.input_tokens) for r in trace.requests),
         sessions=tuple(r.session for r in trace.requests),
         unique_blocks=len(ids),
+        finishes=tuple(r.finish for r in trace.requests) if any(r.finish for r in trace.requests) else (),
+        output_tokens=tuple(int(r.output_tokens) for r in trace.requests),
     )
 
 

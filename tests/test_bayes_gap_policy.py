@@ -9,18 +9,43 @@ from hypothesis import strategies as st
 from kvcluster.block_types import BlockType, TransitionType
 from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
-from kvcluster.policies.bayes import BayesPolicy, class_of, describe_class
+from kvcluster.policies.bayes import CLASSES, BayesPolicy, answer_bucket, class_of, describe_class, finish_index
 
 
-def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType.APPEND) -> RequestContext:
+def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType.APPEND,
+        finish: str = "", output_tokens: int = 0) -> RequestContext:
     return RequestContext(index=i, now=now, block_types=(int(BlockType.HISTORY),) * n,
-                          transition=int(transition), session=session)
+                          transition=int(transition), session=session, finish=finish, output_tokens=output_tokens)
 
 
 def test_class_layout_round_trips() -> None:
     cls = class_of(int(TransitionType.AGENT_STEP), session=2)
-    assert describe_class(cls) == {"transition": "agent_step", "session_gap": "< 64 s"}
-    assert sorted(class_of(t, s) for t in range(4) for s in range(4)) == list(range(16))
+    assert describe_class(cls) == {"transition": "agent_step", "session_gap": "< 64 s", "finish": "unknown",
+                                   "first_answer": "unknown"}
+    assert describe_class(class_of(1, 3, finish_index("tool_calls")))["finish"] == "tool call"
+    assert describe_class(class_of(0, 0, 2, answer_bucket(31)))["first_answer"] == "< 32 tokens"
+    assert [finish_index(f) for f in ("tool_use", "tool_calls", "end_turn", "stop", "length", "")] == [1, 1, 2, 2, 0, 0]
+    assert [answer_bucket(n) for n in (0, 1, 31, 32, 255, 256)] == [0, 1, 1, 2, 2, 3]
+    assert sorted(class_of(t, s, f, a) for t in range(4) for s in range(4) for f in range(3)
+                  for a in range(4)) == list(range(CLASSES))
+
+
+def test_how_an_answer_ended_tells_a_quick_return_from_a_long_wait() -> None:
+    # The same transition and session gaps: after a tool call the session is back in 3 s, after the end of
+    # a turn it is not back within the minute. Only the finish reason tells the two apart.
+    policy = BayesPolicy(capacity=10_000, refresh_requests=1)
+    i, now = 0, 0.0
+    for k in range(60):
+        tool, done = f"tool{k}", f"done{k}"
+        for session, finish in ((tool, "tool_use"), (done, "end_turn")):
+            policy.access([hash((session, 0))], ctx(i, 1, now, session=session, finish=finish))
+            i, now = i + 1, now + 0.1
+        now += 3.0
+        policy.access([hash((tool, 0))], ctx(i, 1, now, session=tool, finish="end_turn"))
+        i, now = i + 1, now + 120.0
+    after_tool, after_turn = (policy.predict_within([1], ctx(i, 1, now, session="new", finish=f), 10.0)[0]
+                              for f in ("tool_use", "end_turn"))
+    assert after_tool > 0.9 and after_turn < 0.1
 
 
 def test_a_block_that_keeps_coming_back_outlives_streams_of_one_off_blocks() -> None:
@@ -75,3 +100,23 @@ def test_capacity_zero_holds_nothing() -> None:
 def test_invariants(capacity, token_runs, gap) -> None:
     check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs,
                      lambda i, blocks: ctx(i, len(blocks), i * gap, session=str(i % 3)))
+
+
+def test_a_first_answer_s_length_tells_a_conversation_that_goes_on_from_one_that_ends() -> None:
+    # New conversations whose first answer is short come back 20 s later; those with a long answer never do.
+    policy = BayesPolicy(capacity=10_000, refresh_requests=1)
+    i, now = 0, 0.0
+    for k in range(60):
+        for session, out in ((f"short{k}", 10), (f"long{k}", 500)):
+            policy.access([hash((session, 0))], ctx(i, 1, now, session=session, transition=TransitionType.FIRST,
+                                                    output_tokens=out))
+            i, now = i + 1, now + 0.1
+        now += 20.0
+        policy.access([hash((f"short{k}", 0)), hash((f"short{k}", 1))], ctx(i, 2, now, session=f"short{k}"))
+        i, now = i + 1, now + 100.0
+    short, long = (policy.predict_within([1], ctx(i, 1, now, session="new", transition=TransitionType.FIRST,
+                                                  output_tokens=out), 32.0)[0] for out in (10, 500))
+    assert short > 0.9 and long < 0.1
+    # a later turn's answer length does not split its class
+    assert (policy._session_class(ctx(i, 1, now, session="s", output_tokens=10), False)
+            == policy._session_class(ctx(i, 1, now, session="s", output_tokens=500), False))

@@ -245,6 +245,7 @@ def test_claude_code_shared_prefix_replaces_leading_local_ids(tmp_path: Path) ->
     assert a1.transition is STEP and a1.stop == "tool_use"
     assert a1.block_types == (S, S, S, H, H, O, T)  # tokens 330-394 are a0's answer, then the tool result
     assert a2.transition is FORK and a2.stop == "end_turn"
+    assert (a0.finish, a1.finish, a2.finish, b0.finish) == ("tool_use", "end_turn", "", "tool_use")  # their own
     sub = s["a/x1"][0]
     assert sub.transition is FIRST and sub.block_types[:2] == (S, S) and sub.block_keys[0] != a0.block_keys[0]
     with pytest.raises(TraceError, match="a.json:record 4"):

@@ -30,6 +30,8 @@ class RequestContext:
     transition: int = 0
     next_use: Sequence[int] | None = None
     session: str = ""
+    finish: str = ""  # how the request's generation ended, when known ("tool_use", "end_turn", ...)
+    output_tokens: int = 0  # tokens the request generated, when known (0: unknown)
     future: Mapping[int, int] | None = None  # offline only: next use of any block (for demoted blocks)
 
 

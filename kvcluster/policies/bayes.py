@@ -1,9 +1,16 @@
 """`bayes`: evict the request group of lowest hit density, from a learnt reuse-gap hazard per class.
 
 Belady wins by knowing *when* a block comes back. This policy estimates it: the
-blocks a request uses are classed by what is known at that moment, namely the
-request's transition (first, append, fork, agent step) and its session's last
-gap between requests (none yet, < 8 s, < 64 s, longer). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
+blocks a request uses are classed by what is known once it is served, namely the
+request's transition (first, append, fork, agent step), its session's last
+gap between requests (none yet, < 8 s, < 64 s, longer) and how its answer ended
+when the serving side knows (a tool call, whose result comes back within seconds;
+the end of a turn, which waits for a person; unknown). A session's first request
+has no gaps to go by, so its class also holds the length of its answer: whether a
+new conversation goes on at all depends on it (on the Mooncake trace 74% of first
+turns with answers under 32 tokens had a follow-up, 3-6% of those over 128).
+Later requests leave it out: their session's gaps say more, and splitting them
+further thinned the counts (ShareGPT and SWE-agent lost hit rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
 posteriors pooled across classes), counting reuses of blocks that were evicted
 too, so what it learns does not depend on what the cache kept. From it follows
 the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
@@ -46,8 +53,12 @@ from .base import EvictionPolicy, RequestContext
 from .registry import register
 
 _NT = len(TransitionType)
+_FIRST = int(TransitionType.FIRST)
 SESSION_BUCKETS = 4  # the session's last gap between requests: none yet, < 8 s, < 64 s, longer
-CLASSES = SESSION_BUCKETS * _NT
+FINISHES = ("unknown", "tool call", "end of turn")  # how the request's answer ended
+_FINISH_OF = {"tool_use": 1, "tool_calls": 1, "end_turn": 2, "stop": 2}  # Anthropic and OpenAI names
+ANSWER_LENGTHS = ("unknown", "< 32 tokens", "< 256 tokens", ">= 256 tokens")  # of a session's first answer
+CLASSES = SESSION_BUCKETS * _NT * len(FINISHES) * len(ANSWER_LENGTHS)
 
 
 def session_bucket(gap_s: float | None) -> int:
@@ -57,16 +68,32 @@ def session_bucket(gap_s: float | None) -> int:
     return 1 if gap_s < 8.0 else (2 if gap_s < 64.0 else 3)
 
 
-def class_of(transition: int, session: int = 0) -> int:
-    """Class index of a request's blocks (`session` from `session_bucket`)."""
-    return session * _NT + transition
+def finish_index(finish: str) -> int:
+    """Index in FINISHES of a finish reason as an API reports it (anything else: unknown)."""
+    return _FINISH_OF.get(finish, 0)
+
+
+def answer_bucket(output_tokens: int) -> int:
+    """Index in ANSWER_LENGTHS of an answer of `output_tokens` tokens (0 or less: unknown)."""
+    if output_tokens <= 0:
+        return 0
+    return 1 if output_tokens < 32 else (2 if output_tokens < 256 else 3)
+
+
+def class_of(transition: int, session: int = 0, finish: int = 0, answer: int = 0) -> int:
+    """Class index of a request's blocks (`session` from `session_bucket`, `finish` from `finish_index`,
+    `answer` from `answer_bucket`, set for a session's first request only)."""
+    return ((answer * len(FINISHES) + finish) * SESSION_BUCKETS + session) * _NT + transition
 
 
 def describe_class(cls: int) -> dict:
     """The features a class index stands for."""
-    session, tt = divmod(cls, _NT)
+    rest, tt = divmod(cls, _NT)
+    rest, session = divmod(rest, SESSION_BUCKETS)
+    answer, finish = divmod(rest, len(FINISHES))
     return {"transition": TransitionType(tt).name.lower(),
-            "session_gap": ("first request", "< 8 s", "< 64 s", ">= 64 s")[session]}
+            "session_gap": ("first request", "< 8 s", "< 64 s", ">= 64 s")[session], "finish": FINISHES[finish],
+            "first_answer": ANSWER_LENGTHS[answer]}
 
 
 @register
@@ -157,7 +184,8 @@ class BayesPolicy(EvictionPolicy):
             sb = seen[1]  # the same burst: keep the bucket of the gap before it
         if remember and ctx.session:
             self._sessions[ctx.session] = (ctx.now, sb)
-        return class_of(ctx.transition, sb)
+        answer = answer_bucket(ctx.output_tokens) if ctx.transition == _FIRST else 0
+        return class_of(ctx.transition, sb, _FINISH_OF.get(ctx.finish, 0), answer)
 
     def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
         """P(each block is used again within `horizon_s` of this request), before `access` sees it.

@@ -26,6 +26,7 @@ class TraceRequest:
     output_tokens: int
     tenant: str = ""  # cache salt namespace
     stop: str = ""  # why the previous generation stopped, when known (e.g. "tool_use")
+    finish: str = ""  # why this request's own generation stopped, when known: known once it is served
 
 
 @dataclass(frozen=True)

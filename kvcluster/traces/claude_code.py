@@ -154,5 +154,5 @@ def _requests(rows: list[_Row], block_size: int) -> list[TraceRequest]:
         labels = classifier.label(keys, stream.session, input_tokens=row.input_tokens,
                                   output_tokens=row.output_tokens, stop=row.stop, known=(BlockType.SYSTEM,) * m)
         out.append(TraceRequest(row.arrival_s, stream.session, keys, labels.block_types, labels.transition,
-                                row.input_tokens, row.output_tokens, stop=labels.stop_before))
+                                row.input_tokens, row.output_tokens, stop=labels.stop_before, finish=row.stop))
     return out

@@ -1,0 +1,160 @@
+"""How much of the LRU->Belady gap knowing *whether* or *when* could close, on every shared trace.
+
+Two offline oracles bound what a better predictor could buy, each measured with
+the same replay as the policies (prefix-token hit rate, one tier):
+
+- `oracle-whether`: LRU that knows which blocks are never used again and evicts
+  them first; a perfect "will it come back" predictor, with no idea of when.
+- `oracle-when`: the `bayes` policy with its classes drawn from the true time
+  until the session's next request (log-spaced: < 4 s, < 8 s, ... >= 256 s, never)
+  instead of the features it learns from; the same machinery, fed a perfect
+  "when" at session granularity.
+
+If `oracle-when` closes far more than `bayes`, the predictor's features are what
+is missing; if even it stays low, the trace's reuse cannot be told apart ahead of
+time at session granularity.
+
+    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import OrderedDict, deque
+from typing import Sequence
+
+from hit_rate import traces
+
+from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
+from kvcluster.policies.bayes import BayesPolicy, _NT
+from kvcluster.policies.registry import POLICIES, register
+from kvcluster.reuse_gap import GapModel
+from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
+from kvcluster.traces import load_trace
+
+FRACTIONS = (0.02, 0.05, 0.10)
+WHEN_EDGES_S = (4, 8, 16, 32, 64, 128, 256)
+
+
+class OracleWhether(EvictionPolicy):
+    """LRU, except that blocks never used again are the first to go."""
+
+    name = "oracle-whether"
+    offline = True
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def resident(self):
+        return self._order.keys()
+
+    def access(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
+        order = self._order
+        dead = []
+        for block, next_use in zip(blocks, ctx.next_use):
+            order[block] = None
+            order.move_to_end(block)
+            if next_use >= FAR:
+                dead.append(block)
+        for block in reversed(dead):
+            order.move_to_end(block, last=False)
+        evicted = []
+        while len(order) > self.capacity:
+            evicted.append(order.popitem(last=False)[0])
+        return evicted
+
+    def admit(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
+        """Blocks from above enter as the most recent (nothing says whether they come back)."""
+        order, evicted = self._order, []
+        for block in blocks:
+            if block not in order:
+                order[block] = None
+        while len(order) > self.capacity:
+            evicted.append(order.popitem(last=False)[0])
+        return [b for b in evicted if b not in order]
+
+    def discard(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._order.pop(block, None)
+
+    def check_integrity(self) -> None:
+        assert len(self._order) <= self.capacity
+
+
+def next_session_gaps(trace: PreparedTrace) -> list[float | None]:
+    """Per request, seconds until its session's next request (None: the session ends)."""
+    out: list[float | None] = [None] * trace.requests
+    following: dict[str, float] = {}
+    for i in range(trace.requests - 1, -1, -1):
+        session = trace.sessions[i]
+        if session in following:
+            out[i] = following[session] - trace.arrivals[i]
+        following[session] = trace.arrivals[i]
+    return out
+
+
+class OracleWhen(BayesPolicy):
+    """`bayes` whose class is the true bucket of the time to the session's next request."""
+
+    name = "oracle-when"
+    offline = True
+    gaps: list[float | None] = []  # set per trace by `main`
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        buckets = len(WHEN_EDGES_S) + 2
+        self.model = GapModel(buckets * _NT, self.model.config)
+        self._queues = [deque() for _ in range(buckets * _NT)]
+        self._hazards = self.model.all_hazards()
+        self._dens = self.model.densities(self._lastbin, self._hazards)
+
+    def _session_class(self, ctx: RequestContext, remember: bool) -> int:
+        gap = self.gaps[ctx.index]
+        bucket = len(WHEN_EDGES_S) + 1 if gap is None else sum(gap >= e for e in WHEN_EDGES_S)
+        return bucket * _NT + ctx.transition
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    parser.add_argument("--sharegpt-records", type=int, default=1000)
+    args = parser.parse_args()
+    for oracle in (OracleWhether, OracleWhen):
+        if oracle.name not in POLICIES:
+            register(oracle)
+    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "belady")
+    rows = []
+    for label, path, kwargs in traces(args.sharegpt_records):
+        prepared = prepare(load_trace(path, **kwargs))
+        OracleWhen.gaps = next_session_gaps(prepared)
+        for frac in FRACTIONS:
+            cap = max(1, round(frac * prepared.unique_blocks))
+            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)]).hit_rate for p in policies}
+            gap = rates["belady"] - rates["lru"]
+            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:4]}
+            rows.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
+                         "gap_closed": closed})
+            if not args.json:
+                cells = " | ".join(f"{rates[p]:.4f}" for p in policies)
+                shown = " | ".join("n/a" if c is None else f"{c:.0%}" for c in closed.values())
+                print(f"| {label} | {frac:.0%} | {cap:,} | {cells} | {shown} |", flush=True)
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    if "--json" not in sys.argv:
+        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | belady "
+              "| gap closed: bayes | oracle-whether | oracle-when |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+    sys.exit(main())
