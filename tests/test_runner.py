@@ -115,8 +115,8 @@ class WrongSizeStore:
         truncated = np.frombuffer(np.ascontiguousarray(got[2]).tobytes()[:100], dtype=np.uint8) if len(got) > 3 else None
         return got[:2] + [truncated] + got[3:] if len(got) > 3 else got
 
-    def store(self, keys, payloads, pairs=None):
-        self.inner.store(keys, payloads, pairs)
+    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0):
+        self.inner.store(keys, payloads, pairs, finish, output_tokens)
 
 
 def test_a_bad_payload_is_a_miss_not_wrong_output():
@@ -253,3 +253,25 @@ def test_a_restore_gives_sliding_layers_only_the_window_they_still_see():
     hit = runner.complete(tokens + [9] * 40, GREEDY)  # decoding on from a windowed restore, then write-back
     assert hit.cached_tokens == 192
     assert hit.output_ids == ModelRunner(loaded).complete(tokens + [9] * 40, GREEDY).output_ids
+
+
+class RecordingStore:
+    """Passes through, remembering how each stored request's answer ended."""
+
+    def __init__(self, inner):
+        self.inner, self.answers = inner, []
+
+    def fetch(self, keys, out=None):
+        return self.inner.fetch(keys, out)
+
+    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0):
+        self.answers.append((finish, output_tokens))
+        self.inner.store(keys, payloads, pairs, finish, output_tokens)
+
+
+def test_the_store_learns_how_each_answer_ended():
+    loaded = load_model("kvcluster-tiny-llama")
+    store = RecordingStore(cached_runner(loaded).store)
+    runner = ModelRunner(loaded, store)
+    runner.complete(prompt(100), GREEDY)  # runs to max_tokens: finish "length"
+    assert store.answers == [("length", 12)]

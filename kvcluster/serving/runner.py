@@ -193,7 +193,8 @@ class ModelRunner:
             first_new = gen.cached_tokens // self.block_tokens
             new = self.codec.encode(gen.cache, first_new, len(keys))
             if keys:  # even with nothing new: the store tells the reuse predictor these blocks were used
-                self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)))
+                self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)),
+                                 finish=gen.finish_reason or "", output_tokens=len(gen.output_ids))
                 gen.stored_blocks = len(new)
             for s, e in gen.segments:  # content-keyed copies, rotated back to position 0
                 blocks = (min(e, len(seq)) - s) // self.block_tokens
