@@ -11,19 +11,26 @@ other conversations run between two turns of one, as on a shared server.
 vLLM gets `--kv-blocks` blocks of paged KV (128 tokens each on CPU; a little more than one
 window-long request), far less than the replay's working set, so its prefix cache evicts history that the
 next turn needs. Each arm of each dataset runs in a fresh engine (and a fresh connector store or
-directory), one request at a time, after one untimed 64-token warm-up request:
+directory), one request at a time, after one untimed 64-token warm-up request; with `--rounds` N, each
+round runs the three arms in turn and an arm's figures pool its N replays (each round's ratio is kept too):
 
 - TTFT: from `add_request` to the engine step that returns the request's first token (scheduling, the
-  connector's lookup and load, the prefill, the first sample);
+  connector's lookup and load, the prefill, the connector's saves of the prompt's blocks, which both
+  connectors finish inside that step, the first sample);
 - requests/s: requests over the wall time of the whole replay, each request decoding
-  min(its real answer's length, `--max-new-tokens`) tokens greedily, end of sequence ignored;
+  min(its real answer's length, `--max-new-tokens`) tokens greedily, end of sequence ignored (the time
+  after the first token is `after_first_token_s_mean` per request);
 - cached-token share: prompt tokens vLLM did not compute (its prefix cache plus a connector's load, as
   vLLM reports them in `num_cached_tokens`) over prompt tokens.
 
+`ExampleConnector` keys what it stores by the whole prompt and loads only for a prompt it stored exactly
+(vLLM's reference, not a prefix cache), so in a multi-turn replay it stores every prompt and loads none.
+
 The model is kvcluster's tiny Llama config (8 layers, 2 KV heads, float32: 1 MiB of KV per 128-token block)
 with seeded random weights (load_format="dummy") and the offline tokenizer. With `--ttft-prompts` > 0 the
-run ends with `kvcluster.integrations.vllm.ttft`'s check: one prompt's first token with its prefix from
-kvcluster's dram tier against the same prompt from vLLM's own prefix cache.
+run ends with `kvcluster.integrations.vllm.ttft`'s check: the first token of a 1,000-token prompt whose
+896-token prefix comes from kvcluster's dram tier (vLLM's cache reset) against the same prompt served from
+vLLM's own prefix cache (p50 over `--ttft-prompts` prompts).
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 VLLM_TARGET_DEVICE=cpu \\
         .venv-vllm/bin/python benchmarks/vllm_replay.py [--json] [--conversations 4] [--max-turns 8]
@@ -144,7 +151,18 @@ def _kvcluster_counts(before: set[str]) -> dict:
     return {"loaded_blocks": s.loaded_blocks, "saved_blocks": s.saved_blocks, "failed_blocks": s.failed_blocks}
 
 
-def run_arm(arm: str, turns: list[Turn], model: Path, kv_blocks: int, dram_mib: int, max_new: int) -> dict:
+@dataclass(frozen=True)
+class ArmRun:
+    """One arm's replay of one dataset in one fresh engine."""
+
+    ttfts: list[float]
+    wall_s: float
+    cached_tokens: int
+    prompt_tokens: int
+    counts: dict  # what the connector moved or stored
+
+
+def run_arm(arm: str, turns: list[Turn], model: Path, kv_blocks: int, dram_mib: int, max_new: int) -> ArmRun:
     """One arm over one dataset's turns, from a fresh engine and fresh connector storage."""
     from kvcluster.integrations.vllm.store import engine_stores
 
@@ -153,30 +171,46 @@ def run_arm(arm: str, turns: list[Turn], model: Path, kv_blocks: int, dram_mib: 
         llm = _engine(model, arm, Path(work), kv_blocks, dram_mib)
         engine = llm.llm_engine
         _serve(engine, "warmup", [3 + (7 * i) % 31000 for i in range(64)], 1)
-        ttfts, cached, prompt_tokens = [], 0, 0
+        ttfts, cached = [], 0
         t0 = time.perf_counter()
         for n, turn in enumerate(turns):
             seconds, hit = _serve(engine, f"r{n}", turn.prompt, max(1, min(turn.answer_tokens, max_new)))
             ttfts.append(seconds)
             cached += hit
-            prompt_tokens += len(turn.prompt)
         wall = time.perf_counter() - t0
         counts = _kvcluster_counts(before) if arm == "vllm+kvcluster" else {}
         if arm == "vllm+example_connector":  # a folder per distinct prompt it saved (keyed by its full blocks)
             counts = {"stored_prompt_folders": sum(1 for p in Path(work).iterdir() if p.is_dir())}
         _close(llm)
-    return {"requests_per_s": len(turns) / wall, "wall_s": wall, "ttft_p50_s": pct(ttfts, 50),
-            "ttft_p99_s": pct(ttfts, 99), "cached_token_share": cached / prompt_tokens, **counts}
+    return ArmRun(ttfts, wall, cached, sum(len(t.prompt) for t in turns), counts)
+
+
+def summarize(runs: list[ArmRun]) -> dict:
+    """An arm's figures over all its rounds' requests, and each round's own."""
+    ttfts = [t for r in runs for t in r.ttfts]
+    wall = sum(r.wall_s for r in runs)
+    return {"requests_per_s": len(ttfts) / wall, "wall_s": wall, "ttft_p50_s": pct(ttfts, 50),
+            "ttft_p99_s": pct(ttfts, 99), "after_first_token_s_mean": (wall - sum(ttfts)) / len(ttfts),
+            "cached_token_share": sum(r.cached_tokens for r in runs) / sum(r.prompt_tokens for r in runs),
+            "rounds": [{"requests_per_s": len(r.ttfts) / r.wall_s, "ttft_p50_s": pct(r.ttfts, 50), **r.counts}
+                       for r in runs]}
 
 
 def bench_dataset(dataset: str, args, model: Path) -> dict:
+    """Every round runs the three arms in turn, so each arm sees the machine at nearly the same moments."""
     turns = select_turns(replay_requests(dataset, 10 ** 9, MAX_MODEL_LEN - args.max_new_tokens),
                          args.conversations, args.max_turns)
-    arms = {arm: run_arm(arm, turns, model, args.kv_blocks, args.dram_mib, args.max_new_tokens) for arm in ARMS}
+    runs: dict[str, list[ArmRun]] = {arm: [] for arm in ARMS}
+    for _ in range(args.rounds):
+        for arm in ARMS:
+            runs[arm].append(run_arm(arm, turns, model, args.kv_blocks, args.dram_mib, args.max_new_tokens))
+    arms = {arm: summarize(r) for arm, r in runs.items()}
     base, example, ours = arms["vllm"], arms["vllm+example_connector"], arms["vllm+kvcluster"]
     for r in arms.values():
         r["requests_per_s_vs_vllm"] = r["requests_per_s"] / base["requests_per_s"]
         r["ttft_p50_vs_vllm"] = r["ttft_p50_s"] / base["ttft_p50_s"]
+        r["requests_per_s_vs_vllm_rounds"] = [a["requests_per_s"] / b["requests_per_s"]
+                                              for a, b in zip(r["rounds"], base["rounds"])]
     return {"dataset": dataset, "requests": len(turns), "conversations": len({t.session for t in turns}),
             "mean_prompt_tokens": sum(len(t.prompt) for t in turns) / len(turns),
             "max_prompt_tokens": max(len(t.prompt) for t in turns),
@@ -201,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=_positive, default=16, help="decode cap per request")
     parser.add_argument("--kv-blocks", type=int, default=36,
                         help="vLLM's paged KV blocks (num_gpu_blocks_override); >= 33 for a 4,096-token window")
+    parser.add_argument("--rounds", type=_positive, default=1,
+                        help="replays of each dataset, the three arms in turn each round (figures pool all rounds)")
     parser.add_argument("--dram-mib", type=_positive, default=512, help="kvcluster's dram tier (1 MiB a block)")
     parser.add_argument("--ttft-prompts", type=int, default=3,
                         help="prompts of the dram-vs-vLLM-prefix-cache TTFT check (0 skips it)")
@@ -226,6 +262,9 @@ def print_table(report: dict) -> None:
             print(f"{arm:24s} {r['requests_per_s']:7.2f} {r['requests_per_s_vs_vllm']:7.2f} "
                   f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:6.0f}ms {r['ttft_p50_vs_vllm']:7.2f} "
                   f"{r['cached_token_share']:7.1%}")
+        if report["rounds"] > 1:
+            per_round = ", ".join(f"{x:.2f}" for x in d["arms"]["vllm+kvcluster"]["requests_per_s_vs_vllm_rounds"])
+            print(f"kvcluster req/s x vLLM by round: {per_round}")
         print(f"goal kvcluster >= {GOAL_SPEEDUP}x vLLM req/s: {'met' if d['goal_speedup_met'] else 'missed'}; "
               f"TTFT p50 ahead of ExampleConnector: {'met' if d['goal_ttft_p50_ahead_of_example_met'] else 'missed'}")
     t = report.get("ttft_check")
@@ -241,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     out = JsonOutput(args.json)
     report: dict = {"kv_blocks": args.kv_blocks, "block_tokens": BLOCK, "dram_mib": args.dram_mib,
                     "max_new_tokens": args.max_new_tokens, "max_model_len": MAX_MODEL_LEN,
-                    "conversations": args.conversations, "max_turns": args.max_turns}
+                    "conversations": args.conversations, "max_turns": args.max_turns, "rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="kvcluster-vllm-replay-model-") as tmp:
         model = model_dir(Path(tmp) / "model")
         report["replays"] = [bench_dataset(d, args, model) for d in args.datasets]
