@@ -1,0 +1,206 @@
+"""The vLLM Serve app end to end (configs/serve_vllm.yaml's app): the OpenAI API over a vLLM replica with
+kvcluster's connector, asked with the official `openai` client.
+
+One replica, started in-process with `serve.run` on a local two-CPU Ray; the same long prompt twice must be
+computed the first time (cached_tokens 0) and served from the engine's prefix cache the second (every full
+block but the one holding the last prompt token: the engine must compute that token for its logits), with the
+same greedy text; a bad request is a 400 naming the field. The routing rule is checked without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import tempfile
+import time
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh`")
+ray = pytest.importorskip("ray", reason="Ray is not installed in this venv; rerun `bash scripts/setup_vllm.sh`")
+openai = pytest.importorskip("openai")
+
+from ray import serve  # noqa: E402
+
+from kvcluster.serve_apps.vllm_router import leading_block_key, rank_by_prefix, rendezvous_order  # noqa: E402
+
+BLOCK = 128  # vLLM's block size on CPU
+MODEL = "kvcluster-tiny-llama"
+WORDS = ("cache", "block", "tier", "prefix", "replica", "token", "engine", "router", "memory", "layer")
+LONG_PROMPT = " ".join(random.Random(5).choice(WORDS) for _ in range(700))
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client():
+    """The app on a local Ray (its own short RAY_TMPDIR), one replica; Serve and Ray shut down after."""
+    from kvcluster.serve_apps.vllm_app import build_app
+
+    tmp = tempfile.mkdtemp(prefix="kvv-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = tmp
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+             _temp_dir=tmp)
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": MODEL, "connector": {"tiers": [{"kind": "dram", "capacity_mib": 64}]},
+                             "api": {"max_tokens_limit": 64}}), name="vllm", route_prefix="/")
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(client) -> None:
+    first = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens == second.usage.prompt_tokens and prompt_tokens > 2 * BLOCK
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // BLOCK * BLOCK
+    assert first.choices[0].text == second.choices[0].text
+    assert first.usage.completion_tokens == second.usage.completion_tokens == 8
+
+    info = serve.get_deployment_handle("VLLMReplica", app_name="vllm").info.remote().result()
+    assert info["block_size"] == BLOCK
+    # the connector stored the prompt's full blocks; vLLM's own prefix cache served the repeat, so none loaded
+    assert info["connector"]["saved_blocks"] >= prompt_tokens // BLOCK
+    assert info["connector"]["loaded_blocks"] == 0
+
+
+def test_chat_reports_cached_tokens_too(client) -> None:
+    messages = [{"role": "system", "content": LONG_PROMPT}, {"role": "user", "content": "and then?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_a_bad_request_is_a_400_naming_the_field(client) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=0)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=65)
+    assert "at most 64" in err.value.body["message"]
+
+
+def _replicas(*ids: str) -> list:
+    return [SimpleNamespace(replica_id=rid) for rid in ids]
+
+
+def test_the_leading_block_picks_one_replica_consistently() -> None:
+    prompt = list(range(3, 3 + BLOCK + 40))
+    key = leading_block_key(prompt, BLOCK)
+    assert key == leading_block_key(prompt[:BLOCK] + [9, 9, 9], BLOCK)  # only the first block counts
+    assert key != leading_block_key(prompt, BLOCK, cache_salt="tenant-b")
+    assert leading_block_key(prompt[: BLOCK - 1], BLOCK) is None
+
+    replicas = _replicas("a", "b", "c")
+    order = rendezvous_order(["a", "b", "c"], key)
+    ranks = rank_by_prefix(replicas, key, {"a", "b", "c"})
+    assert [r.replica_id for r in ranks[0]] == [order[0]] and len(ranks[1]) == 2
+    # losing another replica keeps the choice; a full preferred replica falls to the next in the key's order
+    survivors = [r for r in replicas if r.replica_id in (order[0], order[2])]
+    assert rank_by_prefix(survivors, key, {order[0], order[2]})[0][0].replica_id == order[0]
+    assert rank_by_prefix(replicas, key, {order[1], order[2]})[0][0].replica_id == order[1]
+    assert rank_by_prefix(replicas, None, {"a"}) == [replicas]
+    assert rank_by_prefix(replicas, key, set()) == [replicas]
+
+
+class _FakeEngine:
+    """Each step gives every running request one output; a request is finished after `steps` of them."""
+
+    def __init__(self, steps: int = 2, fail_on_step: int | None = None) -> None:
+        self.steps, self.fail_on_step, self.stepped = steps, fail_on_step, 0
+        self.running: dict[str, int] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id, prompt, params) -> None:
+        if not prompt["prompt_token_ids"]:
+            raise ValueError("empty prompt")
+        self.running[request_id] = 0
+
+    def abort_request(self, ids) -> None:
+        self.aborted += ids
+        for rid in ids:
+            self.running.pop(rid, None)
+
+    def step(self) -> list:
+        time.sleep(0.001)  # a forward takes time: a caller's abort arrives while its request runs
+        self.stepped += 1
+        if self.stepped == self.fail_on_step:
+            raise RuntimeError("kernel failed")
+        out = []
+        for rid in list(self.running):
+            self.running[rid] += 1
+            done = self.running[rid] == self.steps
+            out.append(SimpleNamespace(request_id=rid, finished=done, n=self.running[rid]))
+            if done:
+                del self.running[rid]
+        return out
+
+
+def test_the_engine_loop_serves_refuses_aborts_and_fails_every_request_when_a_step_raises() -> None:
+    import asyncio
+
+    from kvcluster.serve_apps.vllm_engine_loop import EngineDead, EngineLoop
+
+    async def drain(queue) -> list:
+        items = []
+        while True:
+            item = await asyncio.wait_for(queue.get(), 10)
+            items.append(item)
+            if isinstance(item, Exception) or item.finished:
+                return items
+
+    async def scenario() -> None:
+        engine = _FakeEngine(steps=3)
+        loop = EngineLoop(engine)
+        a, b = loop.submit("a", {"prompt_token_ids": [1]}, None), loop.submit("b", {"prompt_token_ids": [2]}, None)
+        bad = loop.submit("bad", {"prompt_token_ids": []}, None)
+        got_a, got_b, got_bad = await asyncio.gather(drain(a), drain(b), drain(bad))
+        assert [o.n for o in got_a] == [o.n for o in got_b] == [1, 2, 3]
+        assert engine.stepped <= 6 and engine.running == {}
+        assert len(got_bad) == 1 and isinstance(got_bad[0], ValueError)
+        loop.close()
+
+        engine = _FakeEngine(steps=10 ** 6)
+        loop = EngineLoop(engine)
+        c = loop.submit("c", {"prompt_token_ids": [3]}, None)
+        await asyncio.wait_for(c.get(), 10)
+        loop.abort("c")
+        for _ in range(100):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == ["c"]
+        loop.close()
+
+        engine = _FakeEngine(steps=5, fail_on_step=2)
+        loop = EngineLoop(engine)
+        x, y = loop.submit("x", {"prompt_token_ids": [1]}, None), loop.submit("y", {"prompt_token_ids": [2]}, None)
+        got_x, got_y = await asyncio.gather(drain(x), drain(y))
+        assert got_x[0].n == 1 and isinstance(got_x[-1], EngineDead) and isinstance(got_y[-1], EngineDead)
+        assert isinstance(loop.error, RuntimeError)
+        with pytest.raises(EngineDead):
+            loop.submit("z", {"prompt_token_ids": [1]}, None)
+
+    asyncio.run(scenario())
