@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Sequence
 
 from hit_rate import traces
 
-from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
+from kvcluster.policies.base import FAR, RequestContext
 from kvcluster.policies.bayes import BayesPolicy, _NT
+from kvcluster.policies.lru import LRUPolicy
 from kvcluster.policies.registry import POLICIES, register
 from kvcluster.reuse_gap import GapModel
 from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
@@ -38,24 +39,11 @@ FRACTIONS = (0.02, 0.05, 0.10)
 WHEN_EDGES_S = (4, 8, 16, 32, 64, 128, 256)
 
 
-class OracleWhether(EvictionPolicy):
-    """LRU, except that blocks never used again are the first to go."""
+class OracleWhether(LRUPolicy):
+    """LRU, except that blocks never used again are the first to go (admits and discards as LRU)."""
 
     name = "oracle-whether"
     offline = True
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def resident(self):
-        return self._order.keys()
 
     def access(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
         order = self._order
@@ -71,23 +59,6 @@ class OracleWhether(EvictionPolicy):
         while len(order) > self.capacity:
             evicted.append(order.popitem(last=False)[0])
         return evicted
-
-    def admit(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
-        """Blocks from above enter as the most recent (nothing says whether they come back)."""
-        order, evicted = self._order, []
-        for block in blocks:
-            if block not in order:
-                order[block] = None
-        while len(order) > self.capacity:
-            evicted.append(order.popitem(last=False)[0])
-        return [b for b in evicted if b not in order]
-
-    def discard(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self._order.pop(block, None)
-
-    def check_integrity(self) -> None:
-        assert len(self._order) <= self.capacity
 
 
 def next_session_gaps(trace: PreparedTrace) -> list[float | None]:

@@ -74,6 +74,12 @@ def _kind_figures(field: str) -> str:
     return ", ".join(f"{k.name} {getattr(k, field):g}" for k in TIER_KINDS)
 
 
+def _require_source(price: float | None, source: str | None, field: str) -> None:
+    """A price is only as good as where it comes from: refuse one without its source."""
+    if price is not None and not source:
+        raise ValueError(f"{field} needs a price_source that says where the price comes from")
+
+
 class TierSpec(BaseModel):
     """One tier of a node: how much it holds, how fast a replica reaches it, and where its bytes live."""
 
@@ -101,8 +107,7 @@ class TierSpec(BaseModel):
 
     @model_validator(mode="after")
     def _price_cited(self) -> "TierSpec":
-        if self.usd_per_gib_month is not None and not self.price_source:
-            raise ValueError("usd_per_gib_month needs a price_source that says where the price comes from")
+        _require_source(self.usd_per_gib_month, self.price_source, "usd_per_gib_month")
         return self
 
     @model_validator(mode="before")
@@ -150,8 +155,7 @@ class GpuSpec(BaseModel):
 
     @model_validator(mode="after")
     def _price_cited(self) -> "GpuSpec":
-        if self.usd_per_gpu_hour is not None and not self.price_source:
-            raise ValueError("usd_per_gpu_hour needs a price_source that says where the price comes from")
+        _require_source(self.usd_per_gpu_hour, self.price_source, "usd_per_gpu_hour")
         return self
 
 
