@@ -56,6 +56,14 @@ KVCLUSTER_REQUIREMENTS=("pydantic>=2.6,<3" "pyyaml>=6.0" "tqdm>=4.66" "xxhash>=3
 # (pyproject's pin), so one cluster runs either app. Only the serve extra: vLLM's own fastapi pin (<0.137)
 # also satisfies Ray Serve's (>=0.133), and resolving it together with the list above changes nothing else.
 SERVE_REQUIREMENTS=("ray[serve]==2.60.0")
+# Ray Serve LLM (`from ray.serve.llm import LLMConfig, build_openai_app`, docs/vllm.md) over this vLLM: not the
+# ray[llm] extra, which pins a CUDA vllm==0.29.0 and nixl==1.3.2, but the two of its packages that Ray Serve LLM
+# imports here: pyarrow (ray.llm's cloud filesystem utilities import pyarrow.fs unconditionally, so without it
+# the import fails) and pandas (ray[llm] lists it; Ray Serve and ray.llm's batch stages use it when present). The
+# extra's hf_transfer, pybind11, meson and jsonref are left out: neither Ray nor vLLM imports them, and the Ray
+# Serve LLM test (tests/vllm_engine/test_ray_serve_llm.py) passes without them. Pins: what pip resolves with the
+# lists above (pandas adds python-dateutil and tzdata).
+SERVE_LLM_REQUIREMENTS=("pyarrow==26.0.1" "pandas==3.1.1")
 
 stamp="$VENV/.kvcluster-vllm-setup"
 want=$(sha256sum scripts/setup_vllm.sh | cut -c1-16)
@@ -67,12 +75,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" "$TORCH_PIN"
   "${pip[@]}" --no-deps "$VLLM_PIN"
   "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}" \
-    "${SERVE_REQUIREMENTS[@]}"
+    "${SERVE_REQUIREMENTS[@]}" "${SERVE_LLM_REQUIREMENTS[@]}"
   "${pip[@]}" --no-deps --no-build-isolation -e .
   # The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks
   # in). Before the stamp, so a broken install is redone by the next run instead of passing as set up.
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
-import ray; from ray import serve; \
+import ray; from ray import serve; from ray.serve.llm import LLMConfig, build_openai_app; \
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \
 'ray', ray.__version__)"
   echo "$want" > "$stamp"
