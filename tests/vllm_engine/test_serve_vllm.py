@@ -51,6 +51,7 @@ def client():
     from kvcluster.serve_apps.vllm_app import build_app
 
     tmp = tempfile.mkdtemp(prefix="kvv-", dir="/tmp")
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmp
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
              _temp_dir=tmp)
@@ -64,6 +65,10 @@ def client():
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+        if saved_tmpdir is None:  # later tests in this process must not inherit the removed directory
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
 
 
 def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(client) -> None:
