@@ -21,6 +21,7 @@ block's life cut at a horizon that tracks how long blocks actually stay.
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -52,6 +53,7 @@ class GapModel:
         self.base = self.config.base_s
         self.edges = [0.0] + [self.base * 2 ** (i - 1) for i in range(1, k)]
         self.widths = [self.edges[i + 1] - self.edges[i] for i in range(k - 1)] + [self.edges[-1]]
+        self._widths = np.array(self.widths)
         self.reached = [[0.0] * k for _ in range(classes)]
         self.reused = [[0.0] * k for _ in range(classes)]
 
@@ -69,8 +71,12 @@ class GapModel:
         (or hardly anybody) has reached yet carries on the hazard seen just before, instead of a
         flat 0.5 that would make very old blocks look valuable. Bin 0's prior is the hazard that
         spreads even odds of ever coming back evenly over all bins."""
-        reached = [sum(col) for col in zip(*self.reached)]
-        reused = [sum(col) for col in zip(*self.reused)]
+        k = self.config.bins
+        return self._pooled_from(np.array(self.reached).reshape(-1, k).sum(axis=0).tolist(),
+                                 np.array(self.reused).reshape(-1, k).sum(axis=0).tolist())
+
+    def _pooled_from(self, reached: list[float], reused: list[float]) -> list[float]:
+        """`_pooled` from the per-bin totals (counts are whole numbers: any order of adding is exact)."""
         out, prev = [], 1.0 - 0.5 ** (1.0 / self.config.bins)
         for n, hits in zip(reached, reused):
             prev = (hits + prev) / (n + 1.0)
@@ -79,10 +85,19 @@ class GapModel:
 
     def all_hazards(self) -> list[list[float]]:
         """Hazards of every class; classes never seen share one row (the pooled hazard)."""
-        k, w = self.config.bins, self.config.prior_weight
-        pooled = self._pooled()
-        return [[min(1.0, (ru[i] + w * pooled[i]) / (re[i] + w)) for i in range(k)] if re[0] else pooled
-                for re, ru in zip(self.reached, self.reused)]
+        w, k = self.config.prior_weight, self.config.bins
+        # only the rows with counts go through numpy: most classes of a trace never occur
+        seen = [c for c, row in enumerate(self.reached) if row[0]]
+        counted = [row for row in self.reused if any(row)]  # a reuse without a use: a block admitted from below
+        reached = np.array([self.reached[c] for c in seen]).reshape(len(seen), k)
+        reused_seen = np.array([self.reused[c] for c in seen]).reshape(len(seen), k)
+        pooled = self._pooled_from(reached.sum(axis=0).tolist(),
+                                   np.array(counted).reshape(len(counted), k).sum(axis=0).tolist())
+        rows = np.minimum(1.0, (reused_seen + w * np.array(pooled)) / (reached + w)).tolist()
+        out = [pooled] * self.classes
+        for cls, row in zip(seen, rows):
+            out[cls] = row
+        return out
 
     def p_reuse_within(self, cls: int, age: float, t: float, hazards: list[float] | None = None) -> float:
         """P(used again before age + t | unused until age), from the bin hazards.
@@ -111,32 +126,27 @@ class GapModel:
         """Hit density per class and age bin: expected reuses before the horizon per second held.
 
         Held from the start of bin k until reused or until the end of bin
-        max(k, horizon_bin). Suffix sums make this O(bins) per class."""
+        max(k, horizon_bin). Suffix sums over the distinct rows at once (classes
+        with no data share the pooled row), in the order a per-bin loop adds them."""
         hs = hazards if hazards is not None else self.all_hazards()
         k_bins = self.config.bins
-        widths = self.widths
-        out = []
-        done: dict[int, list[float]] = {}  # rows shared by classes with no data are computed once
+        distinct: dict[int, int] = {}
+        rows: list[list[float]] = []
         for h in hs:
-            if id(h) in done:
-                out.append(done[id(h)])
-                continue
-            # survival to the start of each bin, relative to bin 0
-            surv = [1.0] * (k_bins + 1)
-            for i in range(k_bins):
-                surv[i + 1] = surv[i] * (1.0 - h[i])
-            hits = [0.0] * (k_bins + 1)
-            time = [0.0] * (k_bins + 1)
-            for i in range(k_bins - 1, -1, -1):
-                # a block reused within bin i holds half the bin on average
-                hits[i] = hits[i + 1] + surv[i] * h[i]
-                time[i] = time[i + 1] + surv[i] * widths[i] * (1.0 - 0.5 * h[i])
-            row = []
-            for i in range(k_bins):
-                end = max(i, horizon_bin) + 1
-                num = hits[i] - hits[end] if end <= k_bins else hits[i]
-                den = time[i] - time[end] if end <= k_bins else time[i]
-                row.append(num / den if den > 0 else 0.0)
-            done[id(h)] = row
-            out.append(row)
-        return out
+            if id(h) not in distinct:
+                distinct[id(h)] = len(rows)
+                rows.append(h)
+        h = np.array(rows)
+        ones = np.ones((len(rows), 1))
+        surv = np.cumprod(np.hstack([ones, 1.0 - h]), axis=1)  # survival to the start of each bin
+        zeros = np.zeros((len(rows), 1))
+        # suffix sums from the last bin down; a block reused within bin i holds half the bin on average
+        hits = np.hstack([np.cumsum((surv[:, :-1] * h)[:, ::-1], axis=1)[:, ::-1], zeros])
+        time = np.hstack([np.cumsum((surv[:, :-1] * self._widths * (1.0 - 0.5 * h))[:, ::-1], axis=1)[:, ::-1],
+                          zeros])
+        ends = np.maximum(np.arange(k_bins), horizon_bin) + 1
+        ends = np.minimum(ends, k_bins)
+        num = hits[:, :k_bins] - hits[:, ends]
+        den = time[:, :k_bins] - time[:, ends]
+        dens = np.divide(num, den, out=np.zeros_like(num), where=den > 0).tolist()
+        return [dens[distinct[id(h)]] for h in hs]
