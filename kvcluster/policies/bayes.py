@@ -219,10 +219,11 @@ class BayesPolicy(EvictionPolicy):
         gcls.append(cls)
         galive.append(0)
         members: list[int] = []
+        get, add = last.get, members.append
         run_old, run_n = -1, 0
         new = 0
         for b in blocks:
-            old = last.get(b)
+            old = get(b)
             if old is None:
                 new += 1
             else:
@@ -239,7 +240,7 @@ class BayesPolicy(EvictionPolicy):
                     run_old, run_n = old, 0
                 run_n += 1
             last[b] = gid
-            members.append(b)
+            add(b)
         if run_n:
             gap = now - gtime[run_old]
             reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
@@ -327,6 +328,7 @@ class BayesPolicy(EvictionPolicy):
                 heads.append(cand)
         heapq.heapify(heads)
         evicted: list[int] = []
+        get, add = last.get, evicted.append
         ages = 0.0
         while need > 0 and heads:
             _, t, c, gid, side = heapq.heappop(heads)
@@ -335,11 +337,12 @@ class BayesPolicy(EvictionPolicy):
                 continue  # that end moved since: the other end of the class took it
             members = gblocks[gid]
             before = need
+            pop, gone = members.pop, ~gid
             while members and need > 0:
-                b = members.pop()
-                if last.get(b) == gid:
-                    last[b] = ~gid
-                    evicted.append(b)
+                b = pop()
+                if get(b) == gid:
+                    last[b] = gone
+                    add(b)
                     need -= 1
             ages += (now - t) * (before - need)
             if members:
