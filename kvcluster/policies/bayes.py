@@ -7,7 +7,7 @@ gap between requests (none yet, < 8 s, < 64 s, longer) and how its answer ended
 when the serving side knows (a tool call, whose result comes back within seconds;
 the end of a turn, which waits for a person; unknown). A session's first request
 has no gaps to go by, so its class also holds the length of its answer: whether a
-new conversation goes on at all depends on it (on the Mooncake trace 74% of first
+new conversation goes on at all depends on it (on the Mooncake trace two thirds of first
 turns with answers under 32 tokens had a follow-up, 3-6% of those over 128).
 Later requests leave it out: their session's gaps say more, and splitting them
 further thinned the counts (ShareGPT and SWE-agent lost hit rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
