@@ -11,10 +11,6 @@ connector's dram tier, and its greedy text must equal the first one's.
 from __future__ import annotations
 
 import os
-import random
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,24 +22,16 @@ ray = pytest.importorskip("ray", reason="Ray is not installed in this venv; reru
 openai = pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
+from serve_support import BLOCK, MODEL, local_serve, long_prompt  # noqa: E402
 
-BLOCK = 128  # vLLM's block size on CPU
-MODEL = "kvcluster-tiny-llama"
 SERVER = "KVClusterLLMServer"
-WORDS = ("cache", "block", "tier", "prefix", "replica", "token", "engine", "router", "memory", "layer")
-LONG_PROMPT = " ".join(random.Random(7).choice(WORDS) for _ in range(700))
+LONG_PROMPT = long_prompt(7)
 # the replica's env: one OMP thread per engine, the worker in the engine-core process ("uni"), a 1 GiB paged KV,
 # the CPU build, no hub look-ups
 REPLICA_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
 
 pytestmark = pytest.mark.timeout(420)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llm_config(model_dir: Path):
@@ -72,28 +60,18 @@ def llm_config(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def client():
-    """build_openai_app on a local two-CPU Ray (its own short RAY_TMPDIR); Serve and Ray shut down after."""
+    """build_openai_app on a local two-CPU Ray; Serve and Ray shut down after."""
     from ray.serve.llm import build_openai_app
 
     from kvcluster.integrations.vllm.ttft import model_dir
 
-    tmp = tempfile.mkdtemp(prefix="kvl-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             _temp_dir=tmp)
-    port = _free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("kvl-") as (tmp, port):
         app = build_openai_app({
             "llm_configs": [llm_config(model_dir(Path(tmp) / "model"))],
             "ingress_deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}})
         serve.run(app, name="llm", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                             timeout=120)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_prompt_is_served_from_the_connector_after_vllm_forgot_it(client) -> None:

@@ -10,10 +10,6 @@ same greedy text; a bad request is a 400 naming the field. The routing rule is c
 from __future__ import annotations
 
 import os
-import random
-import shutil
-import socket
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -28,47 +24,24 @@ ray = pytest.importorskip("ray", reason="Ray is not installed in this venv; reru
 openai = pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
+from serve_support import BLOCK, MODEL, local_serve, long_prompt  # noqa: E402
 
 from kvcluster.serve_apps.vllm_router import leading_block_key, rank_by_prefix, rendezvous_order  # noqa: E402
 
-BLOCK = 128  # vLLM's block size on CPU
-MODEL = "kvcluster-tiny-llama"
-WORDS = ("cache", "block", "tier", "prefix", "replica", "token", "engine", "router", "memory", "layer")
-LONG_PROMPT = " ".join(random.Random(5).choice(WORDS) for _ in range(700))
+LONG_PROMPT = long_prompt(5)
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client():
-    """The app on a local Ray (its own short RAY_TMPDIR), one replica; Serve and Ray shut down after."""
+    """The app on a local Ray, one replica; Serve and Ray shut down after."""
     from kvcluster.serve_apps.vllm_app import build_app
 
-    tmp = tempfile.mkdtemp(prefix="kvv-", dir="/tmp")
-    saved_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             _temp_dir=tmp)
-    port = _free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("kvv-") as (_, port):
         serve.run(build_app({"model": MODEL, "connector": {"tiers": [{"kind": "dram", "capacity_mib": 64}]},
                              "api": {"max_tokens_limit": 64}}), name="vllm", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if saved_tmpdir is None:  # later tests in this process must not inherit the removed directory
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved_tmpdir
 
 
 def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(client) -> None:
