@@ -219,11 +219,11 @@ def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
     used = []
     real = client._transfer
 
-    def recording(op, local, slots, lane=0):
+    def recording(op, local, slots, lane=0, *where):
         used.append((op, lane, len(local)))
         if lane == 0:
             time.sleep(0.05)  # the calling thread is slow: lane 1 surely takes a chunk of each part
-        return real(op, local, slots, lane)
+        return real(op, local, slots, lane, *where)
 
     monkeypatch.setattr(client, "_transfer", recording)
     assert client.put_many(list(zip(ks, data))) == [True] * 6
@@ -287,12 +287,12 @@ def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> Non
         assert client.put_many(list(zip(ks, source.numpy()))) == [True] * 4
     real = client._transfer
 
-    def second_lane_fails(what, local, slots, lane=0):
+    def second_lane_fails(what, local, slots, lane=0, *where):
         if what == op and lane == 0:
             time.sleep(0.2)  # lane 1 surely takes a chunk meanwhile
         if lane == 1 and what == op:
             raise StorageError(f"rdma: NIXL {what} failed (ERR)")
-        return real(what, local, slots, lane)
+        return real(what, local, slots, lane, *where)
 
     monkeypatch.setattr(client, "_transfer", second_lane_fails)
     if op == "WRITE":

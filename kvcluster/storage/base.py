@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from ..errors import KvclusterError
 from ..keys import BlockKey
 from .copyhash import hash_bytes
 
-Payload = bytes | bytearray | memoryview | np.ndarray
+Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 log = logging.getLogger("kvcluster.storage")
 
 
@@ -29,12 +30,46 @@ class StorageError(KvclusterError):
     """A backend cannot be set up (unwritable directory, no space for its slab, bad size)."""
 
 
+def host_bytes(data: Payload) -> np.ndarray:
+    """A payload's bytes as a flat uint8 numpy array: a view of host memory (CPU tensors too), a copy of a device
+    tensor's bytes.
+
+    Why the copy: a file or a peer's pool is written from host memory (no GPUDirect path here),
+    so a block on a device is staged once; the memory pools take device tensors as they are."""
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise ValueError(f"a tensor payload must be contiguous (shape {tuple(data.shape)})")
+        flat = data.reshape(-1).view(torch.uint8)
+        return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+    if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+        return data
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+def host_out(out: Sequence | None, tier: str) -> list[np.ndarray] | None:
+    """`out` buffers as numpy views of host memory (CPU tensors accepted); a device tensor is refused.
+
+    Why refused rather than staged: a tier that reads into host memory would need a second
+    buffer and a second copy the caller cannot see; reading into pinned host memory and
+    copying that to the device (as the runner and the vLLM connector do) costs the same, once."""
+    if out is None:
+        return None
+    views = []
+    for buf in out:
+        if isinstance(buf, torch.Tensor):
+            if buf.device.type != "cpu":
+                raise ValueError(f"{tier}: reads into host buffers, not {buf.device} tensors")
+            buf = buf.reshape(-1).view(torch.uint8).numpy()
+        views.append(buf)
+    return views
+
+
 def checksum(data: Payload) -> int:
     """The fletcher64x4 digest of a payload's bytes (see `copyhash`): cheap enough for every lower-tier read.
 
     Backends that copy or read a payload anyway get the same digest from `copyhash` on the way.
     """
-    return hash_bytes(memoryview(data).cast("B"))
+    return hash_bytes(host_bytes(data))
 
 
 def given_digests(digests: Sequence[int | None] | None, n: int) -> list[int | None]:

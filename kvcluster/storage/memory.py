@@ -7,10 +7,19 @@ Linux exposes a CXL Type-3 expander) and otherwise is a DRAM pool reporting
 `emulated: true`. Reads from DRAM and CXL verify the checksum, computed during the
 copy itself (`copyhash`); HBM, the tier the model reads directly, does not. A host
 pool spreads a large batch's copies over the cores (`parallel.BatchWorkers`).
+
+Payloads and `out` buffers may be torch tensors on any device, so blocks move
+between a model's device memory and a pool without a bounce through pageable host
+memory: device to device within HBM, one DMA between a device tensor and a pinned
+host slot. A host pool verifies a block it hands to a device by summing its slot in
+place while the DMA runs (the bytes the DMA reads are the bytes summed: nothing
+writes a slot during a batch). Copies touching a device finish before a call
+returns, so callers may reuse or read their buffers at once.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +28,7 @@ import torch
 from ..keys import BlockKey
 from .aligned import aligned_empty, aligned_host_tensor
 from .base import BackendStats, Payload, SlottedBackend, StorageError, given_digests
-from .copyhash import copy_hash
+from .copyhash import copy_hash, hash_bytes
 from .numa import bind_to_node, cpuless_numa_nodes
 from .parallel import BatchWorkers
 from .slab import SlotTable
@@ -49,7 +58,7 @@ class MemoryPoolBackend(SlottedBackend):
                  digests: Sequence[int | None] | None = None) -> list[bool]:
         """One copy per block, summed on the way (unless the pool does not verify, as HBM); a block whose
         sum differs from its given digest changed since it was verified and is refused."""
-        views = [_bytes_view(data) for _, data in items]
+        views = [_bytes_view(data) for _, data in items]  # host bytes as numpy, device bytes as tensors
         given = given_digests(digests, len(items))
         if not self.verify:  # nothing summed here to compare with, nothing stored for reads to check
             given = [None] * len(items)
@@ -64,8 +73,11 @@ class MemoryPoolBackend(SlottedBackend):
             slot, view = slots[i], views[i]
             if slot is None:
                 return
-            if self._host is None:
-                self.pool[slot, : view.nbytes].copy_(torch.from_numpy(view.copy()), non_blocking=False)
+            if self._host is None or isinstance(view, torch.Tensor):  # a copy touching a device: DMA
+                self.pool[slot, : view.nbytes].copy_(_as_tensor(view), non_blocking=True)
+                if self._host is not None and self.verify:  # device -> pinned slot: summed where it landed
+                    _wait(view)
+                    summed[i] = hash_bytes(self._host[slot, : view.nbytes])
             elif self.verify:
                 summed[i] = copy_hash(self._host[slot], view)
             else:
@@ -73,6 +85,7 @@ class MemoryPoolBackend(SlottedBackend):
 
         try:
             self._run(store, len(items), sum(v.nbytes for v in views))
+            self._finish_device_copies(views)
         except BaseException:  # nothing of this batch was committed: new keys' slots go back to the free list
             for i, (key, _) in enumerate(items):
                 if slots[i] is not None and key not in self.table:
@@ -109,17 +122,21 @@ class MemoryPoolBackend(SlottedBackend):
             entry = entries[i]
             if entry is None:
                 return
-            src = self._host[entry.slot, : entry.length] if self._host is not None else \
-                self.pool[entry.slot, : entry.length].cpu().numpy()
-            dst = out[i][: entry.length] if out is not None else aligned_empty(entry.length)
+            dst = _bytes_view(out[i])[: entry.length] if out is not None else aligned_empty(entry.length)
             results[i] = dst
-            if self.verify:
-                intact[i] = copy_hash(dst, src) == entry.checksum
+            if self._host is None or isinstance(dst, torch.Tensor):  # a copy touching a device: DMA
+                _as_tensor(dst).copy_(self.pool[entry.slot, : entry.length], non_blocking=True)
+                # a host slot is summed in place while its DMA runs; a device pool does not verify
+                intact[i] = self._host is None or not self.verify or \
+                    hash_bytes(self._host[entry.slot, : entry.length]) == entry.checksum
+            elif self.verify:
+                intact[i] = copy_hash(dst, self._host[entry.slot, : entry.length]) == entry.checksum
             else:
-                np.copyto(dst, src)
+                np.copyto(dst, self._host[entry.slot, : entry.length])
                 intact[i] = True
 
         self._run(load, len(keys), sum(e.length for e in entries if e is not None))
+        self._finish_device_copies(results)
         for i, (key, entry) in enumerate(zip(keys, entries)):
             if entry is None:
                 self._stats.misses += 1
@@ -133,6 +150,14 @@ class MemoryPoolBackend(SlottedBackend):
         verified = [e.checksum if self.verify and r is not None else None for e, r in zip(entries, results)]
         return results, verified
 
+    def _finish_device_copies(self, buffers: Sequence) -> None:
+        """Wait for this call's DMAs (queued on the current stream of each device involved)."""
+        devices = {b.device for b in buffers if isinstance(b, torch.Tensor) and b.device.type != "cpu"}
+        if self.pool.device.type != "cpu":
+            devices.add(self.pool.device)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+
     def _run(self, fn, n: int, nbytes: int) -> None:
         """Host pools spread a batch's copies and hashes over the cores; device pools copy in order."""
         if self._host is not None:
@@ -145,10 +170,34 @@ class MemoryPoolBackend(SlottedBackend):
         self.table.check_integrity()
 
 
-def _bytes_view(data: Payload) -> np.ndarray:
+def _bytes_view(data: Payload) -> np.ndarray | torch.Tensor:
+    """A payload's bytes, flat: a numpy view of host memory (CPU tensors too), a uint8 tensor of device memory."""
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise ValueError(f"a tensor payload must be contiguous (shape {tuple(data.shape)}, "
+                             f"strides {data.stride()})")
+        flat = data.reshape(-1).view(torch.uint8)
+        return flat.numpy() if flat.device.type == "cpu" else flat
     if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
         return data
     return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+def _as_tensor(view: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A tensor over the same bytes (no copy); a read-only numpy view is only ever read from here."""
+    if isinstance(view, torch.Tensor):
+        return view
+    if not view.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(view)
+    return torch.from_numpy(view)
+
+
+def _wait(view: np.ndarray | torch.Tensor) -> None:
+    """Wait for the copy just queued from `view`'s device, before its bytes are read on the host."""
+    if isinstance(view, torch.Tensor) and view.device.type != "cpu":
+        torch.cuda.current_stream(view.device).synchronize()
 
 
 def hbm_backend(slots: int, slot_bytes: int) -> MemoryPoolBackend:

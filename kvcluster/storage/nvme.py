@@ -26,7 +26,7 @@ import numpy as np
 
 from ..keys import BlockKey
 from .aligned import aligned_empty, is_aligned
-from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum, given_digests
+from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum, given_digests, host_bytes, host_out
 from .copyhash import copy_hash
 from .parallel import BatchWorkers
 from .slab import SlotTable
@@ -104,7 +104,7 @@ class NVMeBackend(SlottedBackend):
         this one is written. A key given twice in a batch stores its last payload."""
         ok = [False] * len(items)
         given = given_digests(digests, len(items))
-        views = [np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) for _, data in items]
+        views = [host_bytes(data) for _, data in items]
         last = {key: i for i, (key, _) in enumerate(items)}
         fits = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes and last[items[i][0]] == i]
         self._stats.put_failures += sum(view.nbytes > self.slot_bytes for view in views)
@@ -168,6 +168,7 @@ class NVMeBackend(SlottedBackend):
         """Blocks land in place when their buffer is aligned (`out`'s, or a new aligned array), each verified
         on another core while the next is read; otherwise through a staging buffer, copied out and verified
         while the next one is read."""
+        out = host_out(out, self.name)
         entries = [self.table.get(key) for key in keys]
         present = [i for i, entry in enumerate(entries) if entry is not None]
         self._stats.misses += len(keys) - len(present)

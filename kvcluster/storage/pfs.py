@@ -25,7 +25,7 @@ import numpy as np
 
 from ..keys import KEY_BYTES, BlockKey
 from .aligned import aligned_empty
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes, host_out
 from .copyhash import pread_hash
 from .parallel import BatchWorkers
 
@@ -75,7 +75,7 @@ class PFSBackend(StorageBackend):
         room = self._capacity - self.used_bytes
         batch: set[str] = set()
         for i, (key, data) in enumerate(items):
-            view, file = memoryview(data).cast("B"), self._file(key)
+            view, file = memoryview(host_bytes(data)), self._file(key)
             if file in batch or os.path.exists(file):  # content-addressed: equal keys hold equal bytes, so one copy serves
                 self._stats.extra["already_stored"] = self._stats.extra.get("already_stored", 0) + 1
                 ok[i] = True
@@ -113,6 +113,7 @@ class PFSBackend(StorageBackend):
 
     def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
                       ) -> tuple[list[np.ndarray | None], list[int | None]]:
+        out = host_out(out, self.name)
         results: list[np.ndarray | None] = []
         verified: list[int | None] = []
         for i, key in enumerate(keys):

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -29,8 +30,8 @@ import torch
 
 from ..keys import BlockKey
 from .aligned import aligned_empty
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests
-from .copyhash import copy_hash
+from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes
+from .copyhash import copy_hash, tensor_hashes
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
 
@@ -243,7 +244,7 @@ class NixlPeerPool:
         ok = []
         host = self.pool.numpy()
         for key, data in zip(keys, payloads):
-            view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            view = host_bytes(data)
             slot = self.table.allocate(BlockKey(key)) if view.nbytes <= self.slot_bytes else None
             if slot is not None:
                 self.table.commit(BlockKey(key), slot, view.nbytes, copy_hash(host[slot], view))
@@ -274,6 +275,40 @@ def _groups(lengths: Sequence[int], target: int) -> list[range]:
     return groups
 
 
+@dataclass(frozen=True)
+class _Region:
+    """Memory registered with this client's agents: NIXL's kind (DRAM or VRAM) and device of it."""
+
+    start: int
+    end: int
+    mem: str
+    device: int
+    tensor: torch.Tensor  # kept alive while registered
+
+
+@dataclass(frozen=True)
+class _Local:
+    """Buffers of one batch inside registered memory: their addresses, and the one kind they all are."""
+
+    addrs: list[int]
+    mem: str
+    device: int
+
+
+def _flat_bytes(data: Payload) -> np.ndarray | torch.Tensor:
+    """Host bytes as numpy (CPU tensors too); a device tensor as its flat uint8 view."""
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        if not data.is_contiguous():
+            raise ValueError(f"a tensor payload must be contiguous (shape {tuple(data.shape)})")
+        return data.reshape(-1).view(torch.uint8)
+    return host_bytes(data)
+
+
+def _sum(view: np.ndarray | torch.Tensor) -> int:
+    """A block's digest where it lies: on its device for device memory."""
+    return tensor_hashes([view])[0] if isinstance(view, torch.Tensor) else checksum(view)
+
+
 class RDMABackend(StorageBackend):
     """A peer's pool as a tier of this node (client side)."""
 
@@ -301,7 +336,7 @@ class RDMABackend(StorageBackend):
                                f"{self.slot_bytes}-byte block of {self.peer_name}")
         self._remote_base = self._remote_address(descs)
         self._slots = slots
-        self._regions: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor kept alive) registered here
+        self._regions: list[_Region] = []  # memory registered here (host or device)
         transport, self.emulated = ucx_transport()
         self.medium = f"peer DRAM pool via NIXL UCX over {transport}"
         self._stats = BackendStats()
@@ -321,40 +356,71 @@ class RDMABackend(StorageBackend):
         _OPEN.discard(self)
 
     def register(self, region: torch.Tensor) -> None:
-        """Register host memory the caller lands blocks in or sends them from (e.g. its own tier pool).
+        """Register memory the caller lands blocks in or sends them from: host memory (its own tier pool) or
+        device memory (a model's KV on a GPU, registered with NIXL as VRAM).
 
         Payloads and `out` buffers inside a registered region move straight between it and the peer's
-        slab, without the staging copy. The caller keeps the region alive while this backend lives.
+        slab, without the staging copy; in device memory they are verified there (`tensor_hashes`).
+        The caller keeps the region alive while this backend lives.
         """
-        if region.device.type != "cpu" or not region.is_contiguous():
-            raise StorageError("rdma: only contiguous host tensors can be registered")
+        if region.device.type not in ("cpu", "cuda") or not region.is_contiguous():
+            raise StorageError(f"rdma: only contiguous host or CUDA tensors can be registered, not a "
+                               f"{'non-contiguous ' if not region.is_contiguous() else ''}{region.device} tensor")
         for agent in self._agents:
             agent.register_memory(region)
         start = region.data_ptr()
-        self._regions.append((start, start + region.numel() * region.element_size(), region))
+        device = (region.device.index or 0) if region.is_cuda else 0
+        self._regions.append(_Region(start, start + region.numel() * region.element_size(),
+                                     "VRAM" if region.is_cuda else "DRAM", device, region))
 
     def _count(self, what: str) -> None:
         self._stats.extra[what] = self._stats.extra.get(what, 0) + 1
 
-    def _registered(self, arrays: Sequence[np.ndarray], lengths: Sequence[int]) -> list[int] | None:
-        """Each array's address when all of them lie (contiguous, long enough) inside registered memory."""
+    def _registered(self, arrays: Sequence, lengths: Sequence[int]) -> "_Local | None":
+        """Each buffer's address when all of them lie (contiguous, long enough) inside registered memory of one
+        kind (NIXL moves one kind of local memory per transfer)."""
         if not self._regions:
             return None
-        addrs = []
+        addrs, kinds = [], set()
         for a, n in zip(arrays, lengths):
-            if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or a.nbytes < n:
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous or a.nbytes < n:
+                    return None
+                addr = a.__array_interface__["data"][0]
+            elif isinstance(a, torch.Tensor):
+                if not a.is_contiguous() or a.nbytes < n:
+                    return None
+                addr = a.data_ptr()
+            else:
                 return None
-            addr = a.__array_interface__["data"][0]
-            if not any(lo <= addr and addr + n <= hi for lo, hi, _ in self._regions):
+            region = next((r for r in self._regions if r.start <= addr and addr + n <= r.end), None)
+            if region is None:
                 return None
             addrs.append(addr)
-        return addrs
+            kinds.add((region.mem, region.device))
+        if len(kinds) > 1:
+            return None
+        mem, device = kinds.pop() if kinds else ("DRAM", 0)
+        return _Local(addrs, mem, device)
+
+    def _local_buffers(self, buffers: Sequence | None) -> list | None:
+        """`out` buffers or payloads as this tier moves them: numpy for host memory, flat uint8 tensors for
+        device memory, which must lie in a registered region (there is no staging buffer on a device)."""
+        if buffers is None:
+            return None
+        flat = [_flat_bytes(b) for b in buffers]
+        device = [b for b in flat if isinstance(b, torch.Tensor)]
+        if device and self._registered(device, [b.nbytes for b in device]) is None:
+            raise ValueError(f"{self.name}: device buffers must lie in memory registered with `register` "
+                             f"(NIXL VRAM); got {device[0].device} tensors outside it")
+        return flat
 
     def _remote_address(self, descs: bytes) -> int:
         remote = self.agent.deserialize_descs(descs)
         return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
 
-    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int], lane: int = 0) -> None:
+    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int], lane: int = 0,
+                  mem: str = "DRAM", device: int = 0) -> None:
         """One NIXL transfer over lane `lane`'s agent: local (address, length) <-> remote slots.
 
         Any NIXL failure (the peer process restarted or left: NIXL_ERR_REMOTE_DISCONNECT, a bad
@@ -363,7 +429,7 @@ class RDMABackend(StorageBackend):
             raise StorageError("rdma: this backend was closed")
         agent = self._agents[lane]
         try:
-            local_descs = agent.get_xfer_descs([(addr, n, 0) for addr, n in local], "DRAM")
+            local_descs = agent.get_xfer_descs([(addr, n, device) for addr, n in local], mem)
             remote_descs = agent.get_xfer_descs(
                 [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
             handle = agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
@@ -391,7 +457,7 @@ class RDMABackend(StorageBackend):
         return max(1, min(len(self._agents), chunks, sum(lengths) // LANE_MIN_BYTES))
 
     def _read_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
-                    verify: Callable[[int], bool]) -> list[bool]:
+                    verify: Callable[[int], bool], mem: str = "DRAM", device: int = 0) -> list[bool]:
         """Blocks k = 0.. read from the peer's `slots[k]` to local addresses `local[k]`; `verify(k)` per block.
 
         The batch moves in transfers of about CHUNK_BYTES; each lane (an agent on its own core)
@@ -402,14 +468,14 @@ class RDMABackend(StorageBackend):
 
         def move(g: int, c: int) -> list[bool]:
             part = chunks[c]
-            self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+            self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g, mem, device)
             return [verify(k) for k in part]
 
         moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
         return [good for chunk in moved for good in chunk]
 
     def _write_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
-                     digest: Callable[[int], int]) -> list[int]:
+                     digest: Callable[[int], int], mem: str = "DRAM", device: int = 0) -> list[int]:
         """Blocks k = 0.. written from local addresses `local[k]` to the peer's `slots[k]`; their digests.
 
         Chunked and spread over the lanes like reads; `digest(k)` runs just before its chunk's
@@ -419,7 +485,7 @@ class RDMABackend(StorageBackend):
         def move(g: int, c: int) -> list[int]:
             part = chunks[c]
             digests = [digest(k) for k in part]
-            self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g)
+            self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g, mem, device)
             return digests
 
         moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
@@ -452,10 +518,12 @@ class RDMABackend(StorageBackend):
         committed if that differs from a given digest), as many parts as it takes. A reservation
         never committed is free again at the peer after RESERVATION_TTL_S."""
         given = given_digests(digests, len(items))
-        views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for _, d in items]
+        views = [_flat_bytes(d) for _, d in items]
         keys = [bytes(k) for k, _ in items]
         lengths = [v.nbytes for v in views]
         direct = self._registered(views, lengths)
+        if direct is None:  # staged: device payloads come to the host first
+            views = [host_bytes(v) for v in views]
         ok = [False] * len(keys)
         for lo, hi in [(0, len(keys))] if direct is not None else self._batches(lengths):
             try:
@@ -464,17 +532,18 @@ class RDMABackend(StorageBackend):
                 break
             picked = [i for i, slot in zip(range(lo, hi), slots) if slot is not None]
             sizes = [lengths[i] for i in picked]
-            offsets, local = self._staged(sizes) if direct is None else ([], [direct[i] for i in picked])
+            offsets, local = self._staged(sizes) if direct is None else ([], [direct.addrs[i] for i in picked])
 
             def digest(k: int) -> int:  # staged: the copy into the staging buffer sums on the way
                 if direct is not None:
                     known = given[picked[k]]
-                    return checksum(views[picked[k]]) if known is None else known
+                    return _sum(views[picked[k]]) if known is None else known
                 return copy_hash(self._stage_np[offsets[k] : offsets[k] + sizes[k]], views[picked[k]])
 
             try:
                 if picked:
-                    summed = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest)
+                    mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
+                    summed = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest, mem, device)
                     intact = [k for k, i in enumerate(picked) if given[i] in (None, summed[k])]
                     self._stats.digest_mismatches += len(picked) - len(intact)
                     picked = [picked[k] for k in intact]
@@ -494,7 +563,7 @@ class RDMABackend(StorageBackend):
     def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
                       ) -> tuple[list[np.ndarray | None], list[int | None]]:
         results: list[np.ndarray | None] = [None] * len(keys)
-        landed = self.read_into(keys, out, results)
+        landed = self.read_into(keys, self._local_buffers(out), results)
         return [r if d is not None else None for r, d in zip(results, landed)], landed
 
     def read_into(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None,
@@ -521,19 +590,22 @@ class RDMABackend(StorageBackend):
             return digests
         lengths = [entries[i][1] for i in found]
         direct = None if out is None else self._registered([out[i] for i in found], lengths)
+        if out is not None and direct is None and any(isinstance(out[i], torch.Tensor) for i in found):
+            raise ValueError(f"{self.name}: device buffers must all lie in registered memory of one kind")
         corrupt = []
         for lo, hi in [(0, len(found))] if direct is not None else self._batches(lengths):
             part, sizes = found[lo:hi], lengths[lo:hi]
             landing = [out[i][:n] if out is not None else aligned_empty(n) for i, n in zip(part, sizes)]
-            offsets, local = self._staged(sizes) if direct is None else ([], direct[lo:hi])
+            offsets, local = self._staged(sizes) if direct is None else ([], direct.addrs[lo:hi])
 
             def verify(k: int) -> bool:  # staged: the copy out of the staging buffer sums on the way
                 if direct is not None:
-                    return checksum(landing[k]) == entries[part[k]][2]
+                    return _sum(landing[k]) == entries[part[k]][2]
                 return copy_hash(landing[k], self._stage_np[offsets[k] : offsets[k] + sizes[k]]) == entries[part[k]][2]
 
             try:
-                intact = self._read_lanes(sizes, local, [entries[i][0] for i in part], verify)
+                mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
+                intact = self._read_lanes(sizes, local, [entries[i][0] for i in part], verify, mem, device)
             except StorageError:  # peer gone between lookup and read: the rest are misses
                 self._stats.misses += len(found) - lo
                 if raise_unavailable:
