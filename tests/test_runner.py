@@ -275,3 +275,25 @@ def test_the_store_learns_how_each_answer_ended():
     runner = ModelRunner(loaded, store)
     runner.complete(prompt(100), GREEDY)  # runs to max_tokens: finish "length"
     assert store.answers == [("length", 12)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("landed", [True, False])
+def test_the_device_restore_lays_blocks_out_as_the_host_restore_does(name, landed):
+    """On a CUDA device the payloads go up as stored and are transposed there (`_device_states`); that layout code
+    runs here on CPU tensors and must give every layer exactly the states of the host path, windows included."""
+    loaded = load_model(name)
+    runner = cached_runner(loaded)
+    tokens = prompt(193, seed=22)
+    runner.complete(tokens, GREEDY)
+    keys = runner.block_keys(tokens[:192])
+    codec = runner.codec
+    payloads = runner.store.fetch(keys, codec.landing(len(keys)) if landed else None)
+    assert len(payloads) == 12
+    starts = codec._window_starts(12) if codec.layout.kind != "latent" else None
+    host = list(codec._layer_states(payloads, reuse=False, window_aware=True))
+    device = list(codec._device_states(payloads, starts))
+    assert [s[0] for s in device] == [s[0] for s in host] == list(codec.layout.layers)
+    for h, d in zip(host, device):
+        assert len(h) == len(d) or (len(h) == 4 and h[3] == d[1].shape[-2])  # a full layer's count is its length
+        assert torch.equal(h[1], d[1]) and torch.equal(h[2], d[2])

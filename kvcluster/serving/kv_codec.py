@@ -36,7 +36,9 @@ class KVCodec:
         self.block_bytes = layout.nbytes()
         self.block_shape = layout.shape()
         self._staging = torch.empty(0, dtype=self.dtype)  # reused restore buffer: no page faults per request
-        self._landing = np.empty((0, self.block_bytes), dtype=np.uint8)  # where fetched payloads land
+        self._landing_rows = torch.empty((0, self.block_bytes), dtype=torch.uint8)  # where fetched payloads land
+        self._landing = self._landing_rows.numpy()
+        self._upload = torch.empty(0, dtype=torch.uint8, pin_memory=self._on_cuda)  # payloads on their way up
         self._layer_kinds: list | None = None
         self._replicate = None
 
@@ -133,6 +135,9 @@ class KVCodec:
             return
         lay, n, B = self.layout, len(payloads), self.layout.block_tokens
         starts = self._window_starts(n) if window_aware and lay.kind != "latent" else None
+        if self._on_cuda:
+            yield from self._device_states(payloads, starts)
+            return
         if starts is not None and any(starts):
             yield from self._windowed_states(payloads, reuse, starts)
             return
@@ -167,10 +172,64 @@ class KVCodec:
             first = starts[pos] * B
             yield i, whole[pos, 0][..., first:, :], whole[pos, 1][..., first:, :], n * B
 
+    @property
+    def _on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _device_states(self, payloads: Sequence[np.ndarray], starts: list[int] | None):
+        """`_layer_states` for a model on a CUDA device: the payloads go up as they are stored, in one DMA
+        from pinned memory, and are laid out per layer there.
+
+        Why not lay them out on the host first, as on the CPU: that strided copy runs on one core
+        at a few GB/s, while the device transposes at its memory bandwidth. A sliding layer still
+        gets only its window's blocks."""
+        lay, n, B = self.layout, len(payloads), self.layout.block_tokens
+        rows = self._device_rows(payloads).view(self.dtype).view(n, *self.block_shape)
+        if lay.kind == "latent":  # [n, L, B, W] -> [L, 1, 1, n * B, W]
+            whole = rows.transpose(0, 1).contiguous().view(len(lay.layers), 1, 1, n * B, lay.head_dim)
+            for pos, i in enumerate(lay.layers):
+                yield i, whole[pos, ..., : self.latent_rank], whole[pos, ..., self.latent_rank :]
+            return
+        whole = rows.permute(1, 2, 3, 0, 4, 5).contiguous()  # [n, L, 2, H, B, D] -> [L, 2, H, n, B, D]
+        whole = whole.view(len(lay.layers), 2, 1, lay.kv_heads, n * B, lay.head_dim)
+        for pos, i in enumerate(lay.layers):
+            first = (starts[pos] if starts else 0) * B
+            if first:
+                yield i, whole[pos, 0][..., first:, :], whole[pos, 1][..., first:, :], n * B
+            else:
+                yield i, whole[pos, 0], whole[pos, 1]
+
+    def _device_rows(self, payloads: Sequence[np.ndarray]) -> torch.Tensor:
+        """The payloads as one [n, block_bytes] uint8 tensor on the device.
+
+        Payloads fetched into `landing` already sit side by side in pinned memory and go up as
+        they are; others are gathered into a pinned upload buffer first."""
+        n, size = len(payloads), self.block_bytes
+        first = payloads[0]
+        landed = (isinstance(first, np.ndarray) and self._landing.shape[0] >= n and
+                  all(isinstance(p, np.ndarray) and p.ctypes.data == self._landing[j].ctypes.data
+                      for j, p in enumerate(payloads)))
+        if landed:
+            host = self._landing_rows[:n]
+        else:
+            if self._upload.numel() < n * size:
+                self._upload = torch.empty(n * size, dtype=torch.uint8, pin_memory=self._on_cuda)
+            host = self._upload[: n * size].view(n, size)
+            staged = host.numpy()
+            for j, p in enumerate(payloads):
+                staged[j] = np.asarray(p, dtype=np.uint8)[:size]
+        if not self._on_cuda:  # (the same layout code runs on CPU tensors in the tests)
+            return host.clone()
+        rows = host.to(self.device, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the pinned rows may be refilled once this returns
+        return rows
+
     def landing(self, blocks: int) -> np.ndarray:
-        """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch)."""
+        """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch); pinned when
+        the model is on a CUDA device, so the decoded blocks go up in one DMA."""
         if self._landing.shape[0] < blocks:
-            self._landing = np.empty((blocks, self.block_bytes), dtype=np.uint8)
+            self._landing_rows = torch.empty((blocks, self.block_bytes), dtype=torch.uint8, pin_memory=self._on_cuda)
+            self._landing = self._landing_rows.numpy()
         return self._landing[:blocks]
 
     def _buffer(self, shape: tuple[int, ...], reuse: bool) -> torch.Tensor:
