@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace
+from .paged_kv import PagedKV
 from .store import EngineStore, parse_config, release_store, shared_store
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
         self._loads: dict[str, BlockTransfer] = {}
         # worker side
-        self._layers: list[torch.Tensor] = []
+        self._paged: PagedKV | None = None  # vLLM's paged KV tensors, once registered
         self._load_errors: set[int] = set()  # reported to vLLM (which may ask before or after the save)
         self._failed_this_step: set[int] = set()  # vLLM blocks whose load failed in this step: never saved
 
@@ -201,22 +201,19 @@ class KVClusterConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        layers = [kv_caches[name] for name in self._layer_names]
-        for name, t in zip(self._layer_names, layers):
-            if t.shape[0] != self._num_blocks or t[0].nbytes != self._page_bytes or not t[0].is_contiguous():
-                raise ConfigError(f"KVClusterConnector: layer {name}'s KV tensor {tuple(t.shape)} is not "
-                                  f"[blocks={self._num_blocks}, ...] with contiguous {self._page_bytes}-byte blocks")
-        self._layers = layers
+        self._paged = PagedKV([kv_caches[name] for name in self._layer_names], self._layer_names,
+                              self._num_blocks, self._page_bytes)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
         self._failed_this_step = set()
         for load in meta.loads:
-            payloads = self._store.fetch(load.keys)
+            landing = self._paged.landing(len(load.keys))  # read straight into the rows `scatter` sends on
+            payloads = self._store.fetch(load.keys, [row.numpy() for row in landing])
             n = len(payloads)
             if n:
-                self._scatter(load.block_ids[:n], payloads)
+                self._paged.scatter(load.block_ids[:n], payloads)
             self._shared.loaded_blocks += n
             if n < len(load.keys):
                 self._shared.failed_blocks += len(load.keys) - n
@@ -242,8 +239,8 @@ class KVClusterConnector(KVConnectorBase_V1):
                 if manager.tier_of(key) is None:
                     todo.append((key, block_id))
             if todo:
-                payloads = self._gather([b for _, b in todo])
-                self._store.store([k for k, _ in todo], payloads)
+                rows = self._paged.gather([b for _, b in todo])  # reused by the next gather: stored first
+                self._store.store([k for k, _ in todo], [row.numpy() for row in rows])
                 self._shared.saved_blocks += len(todo)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -252,24 +249,3 @@ class KVClusterConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         release_store(self._engine)
-
-    # -- bytes ---------------------------------------------------------------------------------
-
-    def _gather(self, block_ids: list[int]) -> list[np.ndarray]:
-        """Blocks' bytes, every layer's block one after another: each layer's block copied once, straight into
-        the block's payload."""
-        page, out = self._page_bytes, []
-        for b in block_ids:
-            payload = torch.empty(page * len(self._layers), dtype=torch.uint8)
-            for i, t in enumerate(self._layers):
-                payload[i * page:(i + 1) * page].copy_(t[b].reshape(-1).view(torch.uint8))
-            out.append(payload.numpy())
-        return out
-
-    def _scatter(self, block_ids: tuple[int, ...], payloads: list[np.ndarray]) -> None:
-        """Each layer's part of each payload copied once, straight into its paged block."""
-        page = self._page_bytes
-        for b, payload in zip(block_ids, payloads):
-            src = torch.from_numpy(np.ascontiguousarray(payload).view(np.uint8))
-            for i, t in enumerate(self._layers):
-                t[b].reshape(-1).view(torch.uint8).copy_(src[i * page:(i + 1) * page])
