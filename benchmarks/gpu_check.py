@@ -6,6 +6,8 @@ on PYTHONPATH). Every figure sits next to a reference measured in the same run o
 the same bytes, and the ratio between them is what the report is about:
 
 - hbm: the hbm backend's block moves between pinned DRAM and HBM vs torch copies;
+- paged: the vLLM connector's data plane (PagedKV gather/scatter over 32 paged layers + the
+  dram tier) vs one bulk torch copy of the same bytes each way (gpu_paged.py);
 - nvme: the nvme backend's reads + H2D vs a plain preadv + H2D (and KvikIO, when
   importable), with the I/O path the backend actually took (both: gpu_tiers.py);
 - nixl: raw NIXL UCX VRAM<->DRAM vs torch copies, and the repo's rdma backend vs
@@ -43,11 +45,12 @@ from typing import Any, Callable, Iterator  # noqa: E402
 import torch  # noqa: E402
 from gpu_common import Plan, Skip, cuda, dry_plan, full_plan  # noqa: E402
 from gpu_nixl import section_nixl, summary_nixl  # noqa: E402
+from gpu_paged import section_paged, summary_paged  # noqa: E402
 from gpu_serving import section_serving, summary_serving  # noqa: E402
 from gpu_sizing import section_sizing, summary_sizing  # noqa: E402
 from gpu_tiers import section_hbm, section_nvme, summary_hbm, summary_nvme  # noqa: E402
 
-SECTIONS = ("hbm", "nvme", "nixl", "serving", "sizing")
+SECTIONS = ("hbm", "paged", "nvme", "nixl", "serving", "sizing")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -71,11 +74,11 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 RUN: dict[str, Callable[[Plan, dict], None]] = {
-    "hbm": section_hbm, "nvme": section_nvme, "nixl": section_nixl, "serving": section_serving,
-    "sizing": section_sizing}
+    "hbm": section_hbm, "paged": section_paged, "nvme": section_nvme, "nixl": section_nixl,
+    "serving": section_serving, "sizing": section_sizing}
 SUMMARY: dict[str, Callable[[dict], str]] = {
-    "hbm": summary_hbm, "nvme": summary_nvme, "nixl": summary_nixl, "serving": summary_serving,
-    "sizing": summary_sizing}
+    "hbm": summary_hbm, "paged": summary_paged, "nvme": summary_nvme, "nixl": summary_nixl,
+    "serving": summary_serving, "sizing": summary_sizing}
 
 
 def run_section(name: str, plan: Plan) -> dict:

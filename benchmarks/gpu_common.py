@@ -46,12 +46,12 @@ class Plan:
 
 def full_plan(label: str) -> Plan:
     return Plan(False, "cuda", label, "llama-3.1-8b", "bf16", 16, 128, 5, 2048, 1984, 64, 3, (1024, 4096),
-                {"hbm": 40, "nvme": 60, "nixl": 60, "serving": 240, "sizing": 60})
+                {"hbm": 40, "paged": 40, "nvme": 60, "nixl": 60, "serving": 240, "sizing": 60})
 
 
 def dry_plan() -> Plan:
     return Plan(True, "cpu", DRY_LABEL, "kvcluster-tiny-llama", "bf16", 16, 16, 2, 256, 192, 8, 2, (64, 160),
-                {"hbm": 30, "nvme": 30, "nixl": 30, "serving": 120, "sizing": 30})
+                {"hbm": 30, "paged": 20, "nvme": 30, "nixl": 30, "serving": 120, "sizing": 30})
 
 
 

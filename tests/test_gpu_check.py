@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 PREPARE = REPO / "scripts" / "prepare_gpu_machine.py"
-SECTIONS = ("hbm", "nvme", "nixl", "serving", "sizing")
+SECTIONS = ("hbm", "paged", "nvme", "nixl", "serving", "sizing")
 DRY_LABEL = "cpu (dry run, not a GPU result)"
 
 
@@ -93,6 +93,7 @@ def test_dry_run_serving_is_greedy_equal_with_and_without_the_cache(dry_report: 
 def test_dry_run_moves_and_sizes_are_right(dry_report: tuple[dict, str]) -> None:
     sections = dry_report[0]["sections"]
     assert sections["hbm"]["bytes_verified"] is True
+    assert sections["paged"]["bytes_verified"] is True and sections["paged"]["row_order_verified"] is True
     assert sections["nvme"]["bytes_verified"] is True and sections["nvme"]["io_path_used"]
     if sections["nixl"]["status"] == "ok":
         assert sections["nixl"]["bytes_verified"] is True
