@@ -117,11 +117,18 @@ def environment(plan: Plan) -> dict:
 
     env = {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
            "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
-           "wheels_installed": os.environ.get("GPU_CHECK_WHEELS_INSTALLED", "").split(), "dry_run": plan.dry}
+           "wheels_installed": os.environ.get("GPU_CHECK_WHEELS_INSTALLED", "").split(), "dry_run": plan.dry,
+           "checksum_kernel": checksum_kernel()}
     if cuda():
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
     return env
+
+
+def checksum_kernel() -> str:
+    from kvcluster.storage.copyhash import KERNEL
+
+    return KERNEL
 
 
 def report_path(arg: str | None) -> Path:
@@ -175,6 +182,7 @@ def main() -> int:
                               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "environment": environment(plan), "plan": dataclasses.asdict(plan), "sections": {}}
     print(f"gpu_check on {plan.label}: torch {torch.__version__}, transformers {report['environment']['transformers']}"
+          f", checksum kernel {report['environment']['checksum_kernel']}"
           f" -> {path}", flush=True)
     for name in names:
         report["sections"][name] = section = run_section(name, plan)

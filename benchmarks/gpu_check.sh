@@ -71,6 +71,16 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
   fi
 fi
 
+# The tiers' checksum kernel (kvcluster.storage._copyhash) is built per Python; without it every verified copy
+# falls back to numpy and the tier figures would measure that instead. Built in place for this Python (seconds).
+kernel() { "$py" -c "from kvcluster.storage.copyhash import KERNEL; print(KERNEL)" 2>/dev/null; }
+if [ "$(kernel)" = python ]; then
+  (cd "$root" && "$py" setup.py -q build_ext --inplace --build-temp "${TMPDIR:-/tmp}/kvcluster-gpu-check-build") \
+    >"${TMPDIR:-/tmp}/kvcluster-gpu-check-build.log" 2>&1 \
+    || echo "gpu_check: building the checksum kernel failed (log ${TMPDIR:-/tmp}/kvcluster-gpu-check-build.log)"
+fi
+export GPU_CHECK_CHECKSUM_KERNEL="$(kernel)"
+
 left=$(( limit - SECONDS ))
 timeout -k 10 "$left" "$py" "$here/gpu_check.py" "${args[@]+"${args[@]}"}"
 rc=$?

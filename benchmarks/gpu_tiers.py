@@ -45,13 +45,40 @@ def section_hbm(plan: Plan, out: dict) -> None:
     dram.put_many(items)
     move_s = best_s(lambda: hbm.put_many(list(zip(keys, dram.get_many(keys)))), r)  # a promotion: verified read + put
     out["dram_tier_to_hbm_tier"] = versus(move_s, ref_put, nbytes, to_hbm)
+    tensor_paths(plan, out, hbm, dram, keys, src, dev, ref_put)
+
+
+def tensor_paths(plan: Plan, out: dict, hbm: Any, dram: Any, keys: list, src: torch.Tensor, dev: torch.Tensor,
+                 ref_put: float) -> None:
+    """The tiers handed torch tensors: payloads as tensors, `out` rows on the model's device (no host bounce)."""
+    n, block = src.shape
+    nbytes, r = n * block, plan.repeat
+    there = "device" if cuda() else "host (no CUDA)"
+    tensor_items = [(k, src[i]) for i, k in enumerate(keys)]
+    out["dram_to_hbm_tensors"] = versus(best_s(lambda: hbm.put_many(tensor_items), r), ref_put, nbytes,
+                                        f"torch copy_ per block, pinned host -> {there}")
+    rows = torch.zeros((n, block), dtype=torch.uint8, device=plan.device)
+    hbm_s = best_s(lambda: hbm.read_verified(keys, list(rows)), r)
+    spare = torch.empty_like(rows)
+    ref_d2d = best_s(lambda: [spare[i].copy_(dev[i], non_blocking=True) for i in range(n)], r)
+    out["hbm_to_device_tensor"] = versus(hbm_s, ref_d2d, nbytes, f"torch copy_ per block, {there} -> {there}")
+    out["hbm_to_device_bytes_verified"] = bool(torch.equal(rows.cpu(), src))
+    rows.zero_()
+    got, digests = dram.read_verified(keys, list(rows))
+    out["dram_to_device_bytes_verified"] = bool(torch.equal(rows.cpu(), src)) and all(d is not None for d in digests)
+    dram_s = best_s(lambda: dram.read_verified(keys, list(rows)), r)
+    out["dram_tier_to_device_tensor"] = versus(dram_s, ref_put, nbytes, f"torch copy_ per block, pinned host -> "
+                                               f"{there} (unverified)") | {
+        "path": "slot summed in place on the host while its DMA runs" if cuda() else "verified copy (no CUDA)"}
 
 
 def summary_hbm(s: dict) -> str:
     a, b = s["dram_to_hbm"], s["hbm_to_dram"]
     return (f"DRAM->HBM {a['gbps']:.1f} GB/s vs torch {a['ref_gbps']:.1f} ({a['ratio']:.0%}); "
             f"HBM->DRAM {b['gbps']:.1f} vs {b['ref_gbps']:.1f} ({b['ratio']:.0%}); goal {GOAL:.0%}, "
-            f"{s['blocks']} x {s['block_bytes'] >> 10} KiB")
+            f"{s['blocks']} x {s['block_bytes'] >> 10} KiB; tensors: DRAM->HBM {s['dram_to_hbm_tensors']['ratio']:.0%}, "
+            f"HBM->device {s['hbm_to_device_tensor']['ratio']:.0%}, "
+            f"DRAM tier->device verified {s['dram_tier_to_device_tensor']['ratio']:.0%}")
 
 
 # ---- nvme ----------------------------------------------------------------------------------------------
