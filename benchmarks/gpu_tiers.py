@@ -69,7 +69,7 @@ def tensor_paths(plan: Plan, out: dict, hbm: Any, dram: Any, keys: list, src: to
     dram_s = best_s(lambda: dram.read_verified(keys, list(rows)), r)
     out["dram_tier_to_device_tensor"] = versus(dram_s, ref_put, nbytes, f"torch copy_ per block, pinned host -> "
                                                f"{there} (unverified)") | {
-        "path": "slot summed in place on the host while its DMA runs" if cuda() else "verified copy (no CUDA)"}
+        "path": "DMA per block from the pinned slots, verified on the device" if cuda() else "verified copy (no CUDA)"}
 
 
 def summary_hbm(s: dict) -> str:

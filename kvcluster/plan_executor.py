@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from .cache_manager import StorePlan
 from .storage.base import StorageBackend
@@ -81,8 +82,29 @@ class BackendTierIO:
         self.backends = list(backends)
 
     def read(self, keys, out=None):
-        return {tier: self.backends[tier].read_verified(ks, None if out is None else out[tier])
+        return {tier: self._read(self.backends[tier], ks, None if out is None else out[tier])
                 for tier, ks in keys.items()}
+
+    @staticmethod
+    def _read(backend: StorageBackend, keys, out):
+        """A tier's verified read into `out`; device buffers a tier cannot fill (files, a peer's pool) are
+        filled from its host copies, once those were verified."""
+        if out is None or backend.device_buffers or not any(_on_device(b) for b in out):
+            return backend.read_verified(keys, out)
+        payloads, digests = backend.read_verified(keys, None)
+        placed = []
+        for payload, buf in zip(payloads, out):
+            if payload is None:
+                placed.append(None)
+                continue
+            if _on_device(buf):
+                view = buf.reshape(-1).view(torch.uint8)[: payload.nbytes]
+                view.copy_(torch.from_numpy(np.asarray(payload)))
+            else:
+                view = np.asarray(buf).reshape(-1)[: payload.nbytes]
+                np.copyto(view, payload)
+            placed.append(view)
+        return placed, digests
 
     def delete(self, keys) -> None:
         for tier, ks in keys.items():
@@ -90,3 +112,7 @@ class BackendTierIO:
 
     def write(self, items):
         return {tier: self.backends[tier].put_many(list(zip(ks, ps)), ds) for tier, (ks, ps, ds) in items.items()}
+
+
+def _on_device(buf) -> bool:
+    return isinstance(buf, torch.Tensor) and buf.device.type != "cpu"

@@ -112,3 +112,43 @@ def test_rdma_takes_registered_tensors_and_refuses_unregistered_device_buffers()
             client.register(torch.empty(BLOCK, dtype=torch.uint8, device="meta"))
     finally:
         client.close()
+
+
+def test_a_tier_that_reads_into_host_memory_fills_device_buffers_from_its_verified_copies(tmp_path) -> None:
+    """A fetch into device rows (the runner's landing on a GPU) through a tier of files: the tier reads and verifies
+    on the host, and the store copies into the device rows ("meta" tensors stand in for a device here)."""
+    from kvcluster.storage.tiered import TieredStore
+
+    nvme = NVMeBackend(tmp_path, 4, BLOCK)
+    store = TieredStore([nvme], BLOCK)
+    src, ks = blocks(3, seed=4), keys(3, "fallback")
+    store.commit(ks, list(src), None)
+    assert store.manager.lookup(ks) == [0, 0, 0]  # all in tier 0
+    device_rows = torch.empty((3, BLOCK), dtype=torch.uint8, device="meta")
+    got = store.fetch(ks, list(device_rows))
+    assert got.hits == 3 and got.tiers == ("nvme",) * 3
+    assert all(p.device.type == "meta" and p.nbytes == BLOCK for p in got.payloads)
+    host = store.fetch(ks, list(torch.zeros((3, BLOCK), dtype=torch.uint8)))  # host rows: read in place
+    assert all(np.array_equal(p, src[i].view(torch.uint8).numpy()) for i, p in enumerate(host.payloads))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device branch needs a CUDA device")
+def test_host_and_device_pools_move_cuda_tensors_verified_on_the_device() -> None:
+    """On a GPU: device digests equal the kernel's; a host pool takes CUDA payloads (summed there) and fills CUDA
+    rows (verified there), a corrupt slot read into a CUDA row is a miss; HBM moves device to device."""
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.copyhash import hash_bytes, tensor_hashes
+
+    src, ks = blocks(4, seed=5).cuda(), keys(4, "cuda")
+    host = src.view(torch.uint8).cpu()
+    assert tensor_hashes(list(src.view(torch.uint8))) == [hash_bytes(r.numpy()) for r in host]
+    for pool in (dram_backend(8, BLOCK), hbm_backend(8, BLOCK)):
+        assert pool.put_many([(k, src[i]) for i, k in enumerate(ks)]) == [True] * 4
+        rows = torch.zeros((4, BLOCK), dtype=torch.uint8, device="cuda")
+        got, _ = pool.read_verified(ks, list(rows))
+        assert all(g is not None and g.is_cuda for g in got) and torch.equal(rows, src.view(torch.uint8)), pool.name
+    dram = dram_backend(8, BLOCK)
+    dram.put_many([(k, src[i]) for i, k in enumerate(ks)])
+    dram.pool[dram.table.get(ks[2]).slot, 7] ^= 1
+    got, digests = dram.read_verified(ks, list(torch.zeros((4, BLOCK), dtype=torch.uint8, device="cuda")))
+    assert [g is None for g in got] == [False, False, True, False] and digests[2] is None

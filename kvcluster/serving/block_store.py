@@ -35,6 +35,8 @@ class BlockStore(Protocol):
 class LocalBlockStore:
     """A TieredStore in this process (hbm, dram, ... backends), safe across threads."""
 
+    device_buffers = True  # fetches fill device tensors (the memory tiers by DMA, the others from host copies)
+
     def __init__(self, tiered: TieredStore) -> None:
         self.tiered = tiered
         self._lock = threading.Lock()

@@ -39,6 +39,7 @@ class KVCodec:
         self._landing_rows = torch.empty((0, self.block_bytes), dtype=torch.uint8)  # where fetched payloads land
         self._landing = self._landing_rows.numpy()
         self._upload = torch.empty(0, dtype=torch.uint8, pin_memory=self._on_cuda)  # payloads on their way up
+        self._device_landing = torch.empty((0, self.block_bytes), dtype=torch.uint8, device=self.device)
         self._layer_kinds: list | None = None
         self._replicate = None
 
@@ -206,6 +207,10 @@ class KVCodec:
         they are; others are gathered into a pinned upload buffer first."""
         n, size = len(payloads), self.block_bytes
         first = payloads[0]
+        if isinstance(first, torch.Tensor) and first.device.type != "cpu":  # fetched straight to the device
+            if all(p.data_ptr() == self._device_landing[j].data_ptr() for j, p in enumerate(payloads)):
+                return self._device_landing[:n]
+            return torch.stack([p.reshape(-1).view(torch.uint8)[:size] for p in payloads])
         landed = (isinstance(first, np.ndarray) and self._landing.shape[0] >= n and
                   all(isinstance(p, np.ndarray) and p.ctypes.data == self._landing[j].ctypes.data
                       for j, p in enumerate(payloads)))
@@ -224,9 +229,16 @@ class KVCodec:
         torch.cuda.current_stream(self.device).synchronize()  # the pinned rows may be refilled once this returns
         return rows
 
-    def landing(self, blocks: int) -> np.ndarray:
-        """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch); pinned when
-        the model is on a CUDA device, so the decoded blocks go up in one DMA."""
+    def landing(self, blocks: int, on_device: bool = False) -> np.ndarray | torch.Tensor:
+        """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch).
+
+        With the model on a CUDA device: rows on the device when the store fills device buffers
+        (`on_device`; its memory tiers DMA there and verify there), else pinned host rows, so the
+        blocks go up in one DMA."""
+        if on_device and self._on_cuda:
+            if self._device_landing.shape[0] < blocks:
+                self._device_landing = torch.empty((blocks, self.block_bytes), dtype=torch.uint8, device=self.device)
+            return self._device_landing[:blocks]
         if self._landing.shape[0] < blocks:
             self._landing_rows = torch.empty((blocks, self.block_bytes), dtype=torch.uint8, pin_memory=self._on_cuda)
             self._landing = self._landing_rows.numpy()

@@ -274,7 +274,8 @@ class ModelRunner:
         keys = self.block_keys(prompt_ids[: usable * self.block_tokens], cache_salt)
         if not keys:
             return []
-        payloads = self.store.fetch(keys, self.codec.landing(len(keys)))  # decoded (copied) before the next fetch
+        landing = self.codec.landing(len(keys), on_device=getattr(self.store, "device_buffers", False))
+        payloads = self.store.fetch(keys, landing)  # decoded (copied) before the next fetch
         good = []
         for p in payloads[:usable]:
             if not self.codec.check(p):  # wrong size: a miss from here on, never wrong KV

@@ -101,6 +101,7 @@ class StorageBackend(ABC):
     name: str
     medium: str  # what actually holds the bytes here, e.g. "posix-odirect file", "DRAM (emulated CXL)"
     emulated: bool = False  # True when a stand-in replaces the real medium
+    device_buffers: bool = False  # read_verified fills `out` tensors on a device (else: host buffers only)
     _stats: BackendStats
 
     def _dropped_corrupt(self, key: BlockKey, reason: str) -> None:

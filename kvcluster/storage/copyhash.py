@@ -103,33 +103,35 @@ pread_hash = _native.pread_hash if _native is not None else _pread_hash_py
 
 
 def tensor_hashes(views) -> list[int]:
-    """The digests of flat uint8 tensors, summed where they lie (on a GPU for device memory): one copy of
-    eight sums per block comes back, never the bytes.
+    """The digests of flat uint8 tensors, summed where they lie (on a GPU for device memory): eight sums per
+    block come back, never the bytes.
 
-    Why: a block landed in device memory (a NIXL read into registered VRAM) is verified there; a
-    copy to the host just to sum it would cost the transfer it saved. The sums are the same as
-    `hash_bytes`'s: int64 arithmetic wraps as the kernels' uint64 sums do.
+    Why: a block landed in device memory (a DMA from a host pool, a NIXL read into registered
+    VRAM) is verified there; summing it on the host would cost the copy it saved, and the
+    host's cores sum far slower than the device reads. Blocks of one length are summed together,
+    a few kernels per TENSOR_HASH_BATCH bytes. The sums are `hash_bytes`'s: int64 arithmetic
+    wraps as the kernels' uint64 sums do.
     """
     import torch
 
-    if not views:
-        return []
-    sums = []
-    for view in views:
-        n = view.numel()
-        if view.storage_offset() % 8:  # int64 words need 8-byte alignment
-            view = view.clone()
-        whole = n - n % STRIPE
-        words = view[:whole].view(torch.int64).view(-1, 4)
-        if n % STRIPE:
-            last = torch.zeros(STRIPE, dtype=torch.uint8, device=view.device)
-            last[: n - whole] = view[whole:]
-            words = torch.cat([words, last.view(torch.int64).view(1, 4)])
-        weights = torch.arange(words.shape[0], 0, -1, dtype=torch.int64, device=view.device)
-        sums.append(torch.cat([words.sum(dim=0), (words * weights[:, None]).sum(dim=0)]))
-    host = torch.stack(sums).cpu().tolist()
-    out = []
-    for view, row in zip(views, host):
-        unsigned = np.array([x & _M64 for x in row], dtype=np.uint64)
-        out.append(_digest(unsigned[:4], unsigned[4:], view.numel()))
-    return out
+    out: list[int | None] = [None] * len(views)
+    groups: dict[tuple, list[int]] = {}
+    for i, view in enumerate(views):
+        groups.setdefault((view.numel(), view.device), []).append(i)
+    for (n, device), members in groups.items():
+        per_batch = max(1, TENSOR_HASH_BATCH // max(n, 1))
+        for lo in range(0, len(members), per_batch):
+            part = members[lo : lo + per_batch]
+            rows = torch.stack([views[i] for i in part])  # [b, n]: one copy at the device's bandwidth
+            if n % STRIPE:
+                rows = torch.nn.functional.pad(rows, (0, STRIPE - n % STRIPE))
+            words = rows.view(torch.int64).view(len(part), -1, 4)  # [b, m, 4]
+            weights = torch.arange(words.shape[1], 0, -1, dtype=torch.int64, device=device)
+            sums = torch.cat([words.sum(dim=1), (words * weights[None, :, None]).sum(dim=1)], dim=1)
+            for i, row in zip(part, sums.cpu().tolist()):
+                unsigned = np.array([x & _M64 for x in row], dtype=np.uint64)
+                out[i] = _digest(unsigned[:4], unsigned[4:], n)
+    return out  # type: ignore[return-value]
+
+
+TENSOR_HASH_BATCH = 64 << 20  # bytes summed per batch of blocks (the sums take about twice that on the device)

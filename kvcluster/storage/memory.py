@@ -11,10 +11,10 @@ pool spreads a large batch's copies over the cores (`parallel.BatchWorkers`).
 Payloads and `out` buffers may be torch tensors on any device, so blocks move
 between a model's device memory and a pool without a bounce through pageable host
 memory: device to device within HBM, one DMA between a device tensor and a pinned
-host slot. A host pool verifies a block it hands to a device by summing its slot in
-place while the DMA runs (the bytes the DMA reads are the bytes summed: nothing
-writes a slot during a batch). Copies touching a device finish before a call
-returns, so callers may reuse or read their buffers at once.
+host slot. A host pool sums such blocks on the device (`tensor_hashes`): a block it
+hands to a device is verified where it landed, a block it takes from one is summed
+there before the DMA. Copies touching a device finish before a call returns, so
+callers may reuse or read their buffers at once.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import torch
 from ..keys import BlockKey
 from .aligned import aligned_empty, aligned_host_tensor
 from .base import BackendStats, Payload, SlottedBackend, StorageError, given_digests
-from .copyhash import copy_hash, hash_bytes
+from .copyhash import copy_hash, tensor_hashes
 from .numa import bind_to_node, cpuless_numa_nodes
 from .parallel import BatchWorkers
 from .slab import SlotTable
 
 
 class MemoryPoolBackend(SlottedBackend):
+    device_buffers = True  # DMA into or out of device tensors, verified there
     def __init__(self, name: str, slots: int, slot_bytes: int, *, device: str = "cpu", pin: bool = False,
                  verify: bool = True, medium: str = "", emulated: bool = False,
                  workers: int | None = None) -> None:
@@ -68,6 +69,10 @@ class MemoryPoolBackend(SlottedBackend):
             if last[key] == i and views[i].nbytes <= self.slot_bytes:
                 slots[i] = self.table.allocate(key)
         summed = [0] * len(items)
+        if self._host is not None and self.verify:  # device payloads into host slots: summed on their device
+            on_device = [i for i, v in enumerate(views) if isinstance(v, torch.Tensor) and slots[i] is not None]
+            for i, digest in zip(on_device, tensor_hashes([views[i] for i in on_device])):
+                summed[i] = digest
 
         def store(i: int) -> None:
             slot, view = slots[i], views[i]
@@ -75,9 +80,6 @@ class MemoryPoolBackend(SlottedBackend):
                 return
             if self._host is None or isinstance(view, torch.Tensor):  # a copy touching a device: DMA
                 self.pool[slot, : view.nbytes].copy_(_as_tensor(view), non_blocking=True)
-                if self._host is not None and self.verify:  # device -> pinned slot: summed where it landed
-                    _wait(view)
-                    summed[i] = hash_bytes(self._host[slot, : view.nbytes])
             elif self.verify:
                 summed[i] = copy_hash(self._host[slot], view)
             else:
@@ -126,9 +128,8 @@ class MemoryPoolBackend(SlottedBackend):
             results[i] = dst
             if self._host is None or isinstance(dst, torch.Tensor):  # a copy touching a device: DMA
                 _as_tensor(dst).copy_(self.pool[entry.slot, : entry.length], non_blocking=True)
-                # a host slot is summed in place while its DMA runs; a device pool does not verify
-                intact[i] = self._host is None or not self.verify or \
-                    hash_bytes(self._host[entry.slot, : entry.length]) == entry.checksum
+                # a host slot's block is summed where it landed, below; a device pool does not verify
+                intact[i] = self._host is None or not self.verify
             elif self.verify:
                 intact[i] = copy_hash(dst, self._host[entry.slot, : entry.length]) == entry.checksum
             else:
@@ -137,6 +138,10 @@ class MemoryPoolBackend(SlottedBackend):
 
         self._run(load, len(keys), sum(e.length for e in entries if e is not None))
         self._finish_device_copies(results)
+        if self._host is not None and self.verify:  # blocks DMAed to a device: verified there, in one batch
+            landed = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+            for i, digest in zip(landed, tensor_hashes([results[i] for i in landed])):
+                intact[i] = digest == entries[i].checksum
         for i, (key, entry) in enumerate(zip(keys, entries)):
             if entry is None:
                 self._stats.misses += 1
@@ -193,11 +198,6 @@ def _as_tensor(view: np.ndarray | torch.Tensor) -> torch.Tensor:
             return torch.from_numpy(view)
     return torch.from_numpy(view)
 
-
-def _wait(view: np.ndarray | torch.Tensor) -> None:
-    """Wait for the copy just queued from `view`'s device, before its bytes are read on the host."""
-    if isinstance(view, torch.Tensor) and view.device.type != "cpu":
-        torch.cuda.current_stream(view.device).synchronize()
 
 
 def hbm_backend(slots: int, slot_bytes: int) -> MemoryPoolBackend:
