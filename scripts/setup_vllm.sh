@@ -56,6 +56,9 @@ KVCLUSTER_REQUIREMENTS=("pydantic>=2.6,<3" "pyyaml>=6.0" "tqdm>=4.66" "xxhash>=3
 # (pyproject's pin), so one cluster runs either app. Only the serve extra: vLLM's own fastapi pin (<0.137)
 # also satisfies Ray Serve's (>=0.133), and resolving it together with the list above changes nothing else.
 SERVE_REQUIREMENTS=("ray[serve]==2.60.0")
+# NIXL for a connector on a kvcluster cluster (`cluster:` in kv_connector_extra_config): its loads read other
+# nodes' memory tiers over NIXL, as replicas do (pyproject's `cluster` extra pins the same version).
+CLUSTER_REQUIREMENTS=("nixl==1.5.1")
 # Ray Serve LLM (`from ray.serve.llm import LLMConfig, build_openai_app`, docs/vllm.md) over this vLLM: not the
 # ray[llm] extra, which pins a CUDA vllm==0.29.0 and nixl==1.3.2, but the two of its packages that Ray Serve LLM
 # imports here: pyarrow (ray.llm's cloud filesystem utilities import pyarrow.fs unconditionally, so without it
@@ -75,12 +78,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" "$TORCH_PIN"
   "${pip[@]}" --no-deps "$VLLM_PIN"
   "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}" \
-    "${SERVE_REQUIREMENTS[@]}" "${SERVE_LLM_REQUIREMENTS[@]}"
+    "${SERVE_REQUIREMENTS[@]}" "${SERVE_LLM_REQUIREMENTS[@]}" "${CLUSTER_REQUIREMENTS[@]}"
   "${pip[@]}" --no-deps --no-build-isolation -e .
   # The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks
   # in). Before the stamp, so a broken install is redone by the next run instead of passing as set up.
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
-import ray; from ray import serve; from ray.serve.llm import LLMConfig, build_openai_app; \
+import ray, nixl; from ray import serve; from ray.serve.llm import LLMConfig, build_openai_app; \
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \
 'ray', ray.__version__)"
   echo "$want" > "$stamp"

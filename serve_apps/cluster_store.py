@@ -126,6 +126,16 @@ class ClusterBlockStore:
                 metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
         return local + run
 
+    def remote_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks of `keys` the cluster's tiers hold, per the index (0 when it cannot say)."""
+        if not keys:
+            return 0
+        try:
+            return self.index.longest_prefix(list(keys), timeout_s=self.timeout_s).length
+        except (ray.exceptions.RayError, TimeoutError):
+            self.counters["remote_failures"] += 1
+            return 0
+
     def _reader(self, node: str, tier: str) -> RDMABackend | None:
         """A NIXL reader of that memory tier's slab (metadata exchanged once), or None: use the object store."""
         loc = (node, tier)

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -51,16 +52,16 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def engine(model_dir: Path, tiers: list[dict] | None = None):
+def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None):
     """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
-    connector when `tiers`."""
+    connector when `tiers` (on a kvcluster cluster with `cluster`)."""
     kw = {}
     if tiers is not None:
+        extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
         kw["kv_transfer_config"] = {
             "kv_connector": "KVClusterConnector",
             "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": tiers, "model_fingerprint": FINGERPRINT}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     before = set(engine_stores())
     llm = vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
                    enable_prefix_caching=True, max_model_len=2048, **kw)
@@ -156,3 +157,84 @@ def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None
     with pytest.raises(ConfigError, match="kv_connector_extra_config") as err:
         parse_config(extra)
     assert message in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A two-node Ray cluster (`ray.cluster_utils.Cluster`) running kvcluster's actors for this model's vLLM
+    blocks: nodes n0 and n1, a dram tier actor on each, the index, the predictor and the control plane."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvcluster.actors.cluster import down, up
+    from kvcluster.actors.index_actor import NAMESPACE
+    from kvcluster.cluster_config import ClusterConfig
+
+    tmp = tempfile.mkdtemp(prefix="kvcv", dir="/tmp")  # short socket paths, nothing shared with other Rays
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    args = {"object_store_memory": 128 << 20}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
+                                                     "include_dashboard": False, **args})
+    c.add_node(num_cpus=1, resources={"n1": 1}, **args)
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    c.wait_for_nodes()
+    dram = [{"tier": "dram", "capacity_gib": 0.01}]  # 10 blocks of 1 MiB
+    cfg = ClusterConfig.model_validate({
+        "model": "kvcluster-tiny-llama", "block_tokens": BLOCK, "dtype": "fp32", "policy": "lru",
+        "checkpoint_dir": os.path.join(tmp, "predictor"),
+        "nodes": [{"name": "n0", "ray_resource": "n0", "tiers": dram}, {"name": "n1", "ray_resource": "n1",
+                                                                       "tiers": dram}]})
+    assert cfg.block_bytes() == 1 << 20  # = vLLM's block of every layer (page bytes x layers)
+    up(cfg)
+    try:
+        yield cfg
+    finally:
+        down(cfg)
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+
+
+def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_recomputed(model_dir, reference,
+                                                                                        two_nodes) -> None:
+    """An engine on n0 saves the prompt's blocks: the control plane places them in n0's dram tier actor. A fresh
+    engine on n1 is told by the cluster's index that all 4 are held and reads them from n0's dram over NIXL,
+    giving vLLM's own output bit for bit. With n0's tier actor killed, a third engine is promised the blocks by
+    the index, cannot load them, and recomputes: the same tokens."""
+    import ray
+
+    from kvcluster.actors.index_actor import NAMESPACE
+    from kvcluster.actors.index_client import IndexClient
+    from kvcluster.actors.tier_actor import actor_name
+
+    cold, warm = reference
+    local = [{"kind": "dram", "capacity_mib": 8}]
+    llm, shared = engine(model_dir, local, {"node": "n0"})
+    assert generate(llm) == cold and shared.saved_blocks == 4
+    close(llm)
+    index = IndexClient.connect()
+    deadline = time.monotonic() + 30
+    while index.longest_prefix(KEYS).length < 4:  # the control plane's placement is fire-and-forget
+        assert time.monotonic() < deadline, "the cluster never indexed the saved blocks"
+        time.sleep(0.2)
+    assert {loc for locs in index.longest_prefix(KEYS).locations for loc in locs} == {("n0", "dram")}
+
+    llm, shared = engine(model_dir, local, {"node": "n1"})  # nothing in its own tiers
+    assert generate(llm) == warm  # the same KV bytes as vLLM's own prefix cache: same log-probabilities
+    assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
+    assert shared.store.counters["nixl_blocks"] == 4  # straight from n0's slab
+    close(llm)
+
+    ray.kill(ray.get_actor(actor_name("n0", "dram"), namespace=NAMESPACE), no_restart=True)
+    llm, shared = engine(model_dir, local, {"node": "n1"})
+    tokens, logprobs, _ = generate(llm)
+    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
+    assert (shared.loaded_blocks, shared.failed_blocks) == (0, 4)  # promised by the index, recomputed by vLLM
+    close(llm)

@@ -138,7 +138,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         if start >= usable:
             return 0, False
         keys = self._chain(self._track(request), usable)
-        held = len(self._store.tiered.manager.lookup(keys[start:usable]))
+        held = self._shared.held(keys[start:usable])
         self._matched[request.request_id] = (start, held)
         return held * bs, False
 
@@ -230,7 +230,7 @@ class KVClusterConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
-        manager = self._store.tiered.manager
+        manager = self._shared.local.tiered.manager
         for save in meta.saves:
             todo = []
             for key, block_id in zip(save.keys, save.block_ids):

@@ -1,5 +1,11 @@
 """The tiers behind the vLLM connector: configured from `kv_connector_extra_config`, one store per engine.
 
+With `cluster`, the engine's own tiers are the first of a kvcluster cluster's (`kvcluster cluster up`): the
+scheduler asks them, then the cluster's block index, how much of a prompt is held anywhere; loads read
+this node's tier actors first and other nodes' memory tiers over NIXL (`ClusterBlockStore`), and new
+blocks go to the control plane, whose policy places them in the cluster's tiers. A tier actor that is
+gone or slow is a miss, and vLLM recomputes.
+
 vLLM builds two connector objects per engine, one for the scheduler and one for the worker; with one
 worker in the engine-core process (the "uni" executor; the connector refuses others) both live there, so
 they share one `LocalBlockStore` through `shared_store`, keyed by the engine's config instance id: the
@@ -18,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...errors import ConfigError
+from ...keys import BlockKey
 from ...policies import policy_names
 from ...serving.block_store import LocalBlockStore
 from ...storage.base import StorageBackend
@@ -38,6 +45,21 @@ class TierConfig(BaseModel):
     path: str | None = Field(None, description="directory of the nvme slab or the pfs block files")
 
 
+class ClusterLink(BaseModel):
+    """How an engine joins a running kvcluster cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node: str = Field(description="the cluster node (a name from the cluster YAML) this engine runs on: its tiers "
+                                  "are read first, and its hierarchy receives the engine's new blocks")
+    address: str = Field("auto", description="the Ray cluster to join when this process has joined none "
+                                             "(`ray.init(address=...)`)")
+    timeout_s: float = Field(10.0, gt=0, description="an index or tier actor that does not answer in this time "
+                                                     "is a miss")
+    nixl_staging_mib: float | None = Field(32.0, gt=0, description="staging buffer of NIXL reads from memory "
+                                                                   "tiers; null reads them through Ray's object store")
+
+
 class ConnectorConfig(BaseModel):
     """`kv_connector_extra_config` of `KVClusterConnector`."""
 
@@ -48,6 +70,8 @@ class ConnectorConfig(BaseModel):
     model_fingerprint: str | None = Field(
         None, description="what makes this engine's KV unique; default: model, revision, dtype, load format, "
                           "KV layout. Engines that share a store must agree on it")
+    cluster: ClusterLink | None = Field(None, description="join a kvcluster cluster: its index, tier actors "
+                                                          "and control plane behind this engine's own tiers")
 
     @field_validator("tiers")
     @classmethod
@@ -102,14 +126,64 @@ def build_store(config: ConnectorConfig, block_bytes: int) -> LocalBlockStore:
     return LocalBlockStore(tiered)
 
 
+def join_cluster(link: ClusterLink, local: LocalBlockStore, block_bytes: int):
+    """A `ClusterBlockStore` over `local` on a running cluster, or a ConfigError that says what is missing."""
+    import ray
+
+    from ...actors.index_actor import NAMESPACE
+    from ...actors.tier_actor import actor_name
+    from ...serve_apps.cluster_store import ClusterBlockStore
+    from ...tiers import TIER_ORDER
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
+                              f"{first}") from None
+    tiers = []
+    for tier in TIER_ORDER:
+        try:
+            tiers.append(ray.get_actor(actor_name(link.node, tier), namespace=NAMESPACE))
+        except ValueError:
+            continue
+    if not tiers:
+        raise ConfigError(f"kv_connector_extra_config.cluster.node: no tier actors of node {link.node!r} are "
+                          f"running; start the cluster first (`kvcluster cluster up CONFIG`)")
+    for described in ray.get([t.describe.remote() for t in tiers], timeout=link.timeout_s):
+        if described["slot_bytes"] < block_bytes:
+            raise ConfigError(
+                f"kv_connector_extra_config.cluster: tier {link.node}/{described['tier']} holds blocks of "
+                f"{described['slot_bytes']:,} bytes, this engine's blocks are {block_bytes:,} (vLLM's block of "
+                f"every layer); give the cluster YAML this engine's model, dtype and block_tokens")
+    try:
+        staging = None if link.nixl_staging_mib is None else int(link.nixl_staging_mib * MIB)
+        return ClusterBlockStore(local, link.node, timeout_s=link.timeout_s, nixl_staging_bytes=staging)
+    except ValueError as exc:  # the index or predictor actor is not running
+        raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's global actors are not running "
+                          f"({exc}); start the cluster first (`kvcluster cluster up CONFIG`)") from None
+
+
 @dataclass
 class EngineStore:
-    """One engine's store and what its connector moved through it."""
+    """One engine's store and what its connector moved through it.
 
-    store: LocalBlockStore
+    `local` is the engine's own tiers; `store` is what the connector reads and writes: `local` itself,
+    or a cluster's tiers behind it (`ClusterBlockStore`)."""
+
+    local: LocalBlockStore
+    store: object  # LocalBlockStore or ClusterBlockStore: fetch(keys, out), store(keys, payloads)
     loaded_blocks: int = 0  # blocks copied from the store into vLLM's paged KV
     failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
     saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
+
+    def held(self, keys: list[BlockKey]) -> int:
+        """How many leading blocks of `keys` are held: in this engine's tiers, then anywhere in the cluster."""
+        n = len(self.local.tiered.manager.lookup(keys))
+        if n == len(keys) or self.store is self.local:
+            return n
+        return n + self.store.remote_prefix(keys[n:])
 
 
 _stores: dict[str, EngineStore] = {}
@@ -121,10 +195,12 @@ def shared_store(engine: str, config: ConnectorConfig, block_bytes: int) -> Engi
     with _stores_lock:
         shared = _stores.get(engine)
         if shared is None:
-            shared = _stores[engine] = EngineStore(build_store(config, block_bytes))
-        elif shared.store.tiered.block_bytes != block_bytes:
+            local = build_store(config, block_bytes)
+            remote = None if config.cluster is None else join_cluster(config.cluster, local, block_bytes)
+            shared = _stores[engine] = EngineStore(local, local if remote is None else remote)
+        elif shared.local.tiered.block_bytes != block_bytes:
             raise ConfigError(f"engine {engine}: connectors disagree on the block size "
-                              f"({shared.store.tiered.block_bytes} vs {block_bytes} bytes)")
+                              f"({shared.local.tiered.block_bytes} vs {block_bytes} bytes)")
         return shared
 
 
