@@ -238,3 +238,31 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
     assert (shared.loaded_blocks, shared.failed_blocks) == (0, 4)  # promised by the index, recomputed by vLLM
     close(llm)
+
+
+def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_same_tokens(tmp_path) -> None:
+    """DeepSeek-V3's attention (MLA) under vLLM: its paged KV is the compressed latent (kv_lora_rank + the roped
+    key part, one "head"), and that is what kvcluster's blocks hold, byte for byte the size kvcluster's own layout
+    gives the latent. vLLM's CPU build turns its own prefix cache off for MLA, so a second request's prefix can
+    only come from kvcluster: every full block of it does, and the greedy tokens equal the cold ones."""
+    from kvcluster.model_spec import load_model_spec
+    from kvcluster.storage.layout import layout_for
+
+    config = json.loads((REPO / "configs" / "models" / "kvcluster-tiny-mla.json").read_text())
+    config.pop("_source")
+    config.update(kv_lora_rank=512, qk_rope_head_dim=64)  # the latent width vLLM's MLA kernels take (576)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(tokenizer_dir() / name, tmp_path / name)
+    llm, shared = engine(tmp_path, [{"kind": "dram", "capacity_mib": 16}])
+    block_tokens = llm.llm_engine.vllm_config.cache_config.block_size
+    latent = layout_for(load_model_spec(str(tmp_path / "config.json")), block_tokens, "fp32")
+    assert latent.kind == "latent" and shared.local.tiered.block_bytes == latent.nbytes()
+    assert latent.nbytes() == 3 * block_tokens * (512 + 64) * 4  # layers x tokens x latent x fp32: no K, no V
+    cold = generate(llm)
+    warm = generate(llm)
+    blocks = (len(PROMPT) - 1) // block_tokens
+    assert cold[2] == 0 and warm[2] == blocks * block_tokens  # all from kvcluster: vLLM's own cache is off
+    assert (shared.saved_blocks, shared.loaded_blocks, shared.failed_blocks) == (blocks, blocks, 0)
+    assert warm[0] == cold[0] and warm[1] == pytest.approx(cold[1], abs=1e-4)
+    close(llm)
