@@ -49,6 +49,16 @@ class LocalBlockStore:
             self._commit(keys[: len(fetched)], [None] * len(fetched))  # the hits count as uses now
             return fetched
 
+    def held(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks of `keys` the tiers hold (a lookup: no use is recorded)."""
+        with self._lock:
+            return len(self.tiered.manager.lookup(keys))
+
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each block is in some tier."""
+        with self._lock:
+            return [self.tiered.manager.tier_of(k) is not None for k in keys]
+
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0) -> None:
         new = [(k, p) for k, p in zip(keys, payloads) if p is not None]  # the hits were committed at fetch

@@ -52,12 +52,12 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None):
+def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None, **options):
     """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
-    connector when `tiers` (on a kvcluster cluster with `cluster`)."""
+    connector when `tiers` (on a kvcluster cluster with `cluster`; `options`: more connector settings)."""
     kw = {}
     if tiers is not None:
-        extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
+        extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {}) | options
         kw["kv_transfer_config"] = {
             "kv_connector": "KVClusterConnector",
             "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
@@ -96,12 +96,17 @@ def reference(model_dir):
     return cold, warm
 
 
-def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference, tmp_path) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference, tmp_path, background) -> None:
+    """Loads read on the loader thread (the request waits) or before the step's forward; saves written on the
+    saver thread or within the step: the same output either way."""
     cold, warm = reference
     llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 2},
-                                     {"kind": "nvme", "capacity_mib": 8, "path": str(tmp_path / "nvme")}])
+                                     {"kind": "nvme", "capacity_mib": 8, "path": str(tmp_path / "nvme")}],
+                         async_loads=background, async_saves=background)
     assert generate(llm) == cold  # nothing stored yet: computed, then its 4 full blocks saved
     assert (shared.saved_blocks, shared.loaded_blocks) == (4, 0)
+    shared.wait_saved()
     manager = shared.store.tiered.manager
     assert sorted(manager.tier_of(k) for k in KEYS) == [0, 0, 1, 1]  # 2 MiB of dram holds 2 blocks of 1 MiB
     llm.reset_prefix_cache()  # vLLM forgets; the prefix must come from kvcluster
@@ -136,6 +141,7 @@ def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(mo
     assert (shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks) == (6, 2, 1)
     assert pfs.stats()["corrupt"] == 1
 
+    shared.wait_saved()
     llm.reset_prefix_cache()  # the recomputed blocks were stored again: the whole prefix loads
     assert generate(llm) == warm
     assert (shared.loaded_blocks, shared.failed_blocks) == (10, 2)
@@ -260,6 +266,7 @@ def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_sa
     assert latent.kind == "latent" and shared.local.tiered.block_bytes == latent.nbytes()
     assert latent.nbytes() == 3 * block_tokens * (512 + 64) * 4  # layers x tokens x latent x fp32: no K, no V
     cold = generate(llm)
+    shared.wait_saved()
     warm = generate(llm)
     blocks = (len(PROMPT) - 1) // block_tokens
     assert cold[2] == 0 and warm[2] == blocks * block_tokens  # all from kvcluster: vLLM's own cache is off

@@ -9,15 +9,24 @@ comes past it.
 Scheduler side: `get_num_new_matched_tokens` counts the leading run of the request's blocks past vLLM's
 local hit that the store holds, in any tier; `build_connector_meta` hands the worker that load and the
 blocks each scheduled request completes this step. Worker side: `start_load_kv` reads each request's
-run with one batched, checksummed fetch and copies it into the paged tensors before the forward;
-`wait_for_save` gathers each request's new full blocks from the paged tensors after the forward and
-stores them in one batch. A block whose bytes fail their checksum (or vanished since the lookup) ends
-the run: it and the blocks after it are reported through `get_block_ids_with_load_errors`, and vLLM
-(`kv_load_failure_policy="recompute"`, required) recomputes them. Loads and saves are synchronous.
+run with one batched, checksummed fetch; `wait_for_save` gathers each request's new full blocks from the
+paged tensors after the forward and stores them in one batch. A block whose bytes fail their checksum
+(or vanished since the lookup) ends the run: it and the blocks after it are reported through
+`get_block_ids_with_load_errors`, and vLLM (`kv_load_failure_policy="recompute"`, required) recomputes
+them.
+
+Asynchronous by default (`async_loads`, `async_saves`), so a slow tier (a file, another node) stalls no
+other request: a load is read on a loader thread while the request waits in vLLM's
+WAITING_FOR_REMOTE_KVS and the engine runs the others; `get_finished` puts the blocks in place and
+releases the request. A save's blocks are copied out of the paged KV at the end of the step (they may
+be freed or preempted after it) and written to the tiers on a saver thread; until then a lookup misses
+them. The paged tensors are only ever touched by the engine's own thread.
 """
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +41,8 @@ from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace
 from .paged_kv import PagedKV
 from .store import EngineStore, parse_config, release_store, shared_store
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,6 +77,8 @@ class _Tracked:
     request: "Request"
     keys: list[BlockKey] = field(default_factory=list)  # chain of its full blocks so far
     saved: int = 0  # blocks handed to the worker for saving (or known stored)
+    load_start: int = 0  # index of the first block of its last load
+    no_load_from: int | None = None  # a load of this block failed: it and later ones are computed, not offered
 
 
 class KVClusterConnector(KVConnectorBase_V1):
@@ -100,8 +113,13 @@ class KVClusterConnector(KVConnectorBase_V1):
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
-        self._loads: dict[str, BlockTransfer] = {}
+        self._loads: dict[str, BlockTransfer] = {}  # loads for the next step's metadata
+        self._issued: dict[str, BlockTransfer] = {}  # loads handed out whose outcome is not known yet
         # worker side
+        self._async_loads, self._async_saves = config.async_loads, config.async_saves
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcluster-load") if self._async_loads else None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcluster-save") if self._async_saves else None
+        self._loading: dict[str, tuple[BlockTransfer, Future]] = {}  # async loads in flight, by request
         self._paged: PagedKV | None = None  # vLLM's paged KV tensors, once registered
         self._load_errors: set[int] = set()  # reported to vLLM (which may ask before or after the save)
         self._failed_this_step: set[int] = set()  # vLLM blocks whose load failed in this step: never saved
@@ -133,14 +151,17 @@ class KVClusterConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         bs = self._block_size
+        tracked = self._track(request)
         usable = (request.num_tokens - 1) // bs  # the last token is always computed: it yields the logits
+        if tracked.no_load_from is not None:  # offered once and failed (corrupt, its tier gone): compute it
+            usable = min(usable, tracked.no_load_from)
         start = num_computed_tokens // bs
         if start >= usable:
             return 0, False
-        keys = self._chain(self._track(request), usable)
+        keys = self._chain(tracked, usable)
         held = self._shared.held(keys[start:usable])
         self._matched[request.request_id] = (start, held)
-        return held * bs, False
+        return held * bs, self._async_loads and held > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         tracked = self._track(request)
@@ -153,8 +174,9 @@ class KVClusterConnector(KVConnectorBase_V1):
                                f"the connector offered {held}")
         block_ids = blocks.get_block_ids()[0]
         keys = tracked.keys[start:start + n]
-        self._loads[request.request_id] = BlockTransfer(request.request_id, tuple(keys),
-                                                        tuple(block_ids[start:start + n]))
+        load = BlockTransfer(request.request_id, tuple(keys), tuple(block_ids[start:start + n]))
+        self._loads[request.request_id] = self._issued[request.request_id] = load
+        tracked.load_start = start
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVClusterMetadata(loads=list(self._loads.values()))
@@ -178,8 +200,18 @@ class KVClusterConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
-        """Blocks that failed to load will be recomputed: let their saving start again from the first."""
-        bad = connector_output.invalid_block_ids
+        """Blocks that failed to load will be recomputed: they are not offered to that request again (an
+        asynchronous load that failed sends the request back to waiting, where it would be promised the same
+        blocks), and their saving starts again from the first."""
+        bad = connector_output.invalid_block_ids or set()
+        for req_id, load in list(self._issued.items()):
+            failed = next((j for j, b in enumerate(load.block_ids) if b in bad), None)
+            tracked = self._tracked.get(req_id)
+            if failed is not None and tracked is not None:
+                first = tracked.load_start + failed
+                tracked.no_load_from = first if tracked.no_load_from is None else min(first, tracked.no_load_from)
+            if not self._async_loads or req_id in (connector_output.finished_recving or ()):
+                del self._issued[req_id]  # its outcome is known: a sync load reports within its step
         if not bad:
             return
         for req_id, tracked in self._tracked.items():
@@ -192,10 +224,12 @@ class KVClusterConnector(KVConnectorBase_V1):
                 tracked.saved = first
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are done by the end of each step, so vLLM may free the blocks now."""
+        """Saved blocks leave the paged KV by the end of each step (copied out, stored now or in the
+        background), so vLLM may free the blocks now."""
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._issued.pop(request.request_id, None)
         return False, None
 
     # -- worker side ---------------------------------------------------------------------------
@@ -205,20 +239,52 @@ class KVClusterConnector(KVConnectorBase_V1):
                               self._num_blocks, self._page_bytes)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Sync loads land before the forward; async ones are read from the tiers on the loader thread, into
+        rows of their own, and put in place by `get_finished` once read (the request waits meanwhile)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
         self._failed_this_step = set()
         for load in meta.loads:
+            if self._loader is not None:
+                self._loading[load.req_id] = (load, self._loader.submit(self._read, load))
+                continue
             landing = self._paged.landing(len(load.keys))  # read straight into the rows `scatter` sends on
             payloads = self._store.fetch(load.keys, [row.numpy() for row in landing])
-            n = len(payloads)
-            if n:
-                self._paged.scatter(load.block_ids[:n], payloads)
-            self._shared.loaded_blocks += n
-            if n < len(load.keys):
-                self._shared.failed_blocks += len(load.keys) - n
-                self._load_errors.update(load.block_ids[n:])
-                self._failed_this_step.update(load.block_ids[n:])
+            self._place(load, payloads)
+            self._failed_this_step.update(load.block_ids[len(payloads):])
+
+    def _read(self, load: BlockTransfer) -> list:
+        """An async load's tier reads (loader thread): the verified run of its blocks, in rows it owns."""
+        rows = self._paged.new_rows(len(load.keys))
+        return self._store.fetch(load.keys, [row.numpy() for row in rows])
+
+    def _place(self, load: BlockTransfer, payloads: list) -> None:
+        """The loaded run into the paged KV; the blocks past it (corrupt, gone) are load errors to recompute."""
+        n = len(payloads)
+        if n:
+            self._paged.scatter(load.block_ids[:n], payloads)
+        self._shared.loaded_blocks += n
+        if n < len(load.keys):
+            self._shared.failed_blocks += len(load.keys) - n
+            self._load_errors.update(load.block_ids[n:])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads whose reads are done, now in place (their failed blocks are reported in this same pass:
+        vLLM asks for the load errors right after). A read that raised is a miss of every block."""
+        done = set()
+        for req_id, (load, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[req_id]
+            try:
+                payloads = future.result()
+            except Exception:  # noqa: BLE001 - any failure of the read: recomputed, never served
+                log.exception("kvcluster: async load of request %s failed; its blocks are recomputed", req_id)
+                payloads = []
+            self._place(load, payloads)
+            done.add(req_id)
+        self._shared.saving = [f for f in self._shared.saving if not f.done()]
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Every load finished in `start_load_kv`, before the forward."""
@@ -230,17 +296,24 @@ class KVClusterConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
-        manager = self._shared.local.tiered.manager
         for save in meta.saves:
             todo = []
-            for key, block_id in zip(save.keys, save.block_ids):
+            held = self._shared.local.holds(save.keys)
+            for key, block_id, here in zip(save.keys, save.block_ids, held):
                 if block_id in self._failed_this_step:  # its bytes are not this key's: recomputed next step
                     break
-                if manager.tier_of(key) is None:
+                if not here:
                     todo.append((key, block_id))
             if todo:
-                rows = self._paged.gather([b for _, b in todo])  # reused by the next gather: stored first
-                self._store.store([k for k, _ in todo], [row.numpy() for row in rows])
+                ids, keys = [b for _, b in todo], [k for k, _ in todo]
+                if self._saver is None:
+                    rows = self._paged.gather(ids)  # reused by the next gather: stored first
+                    self._store.store(keys, [row.numpy() for row in rows])
+                else:  # copied out of the paged KV now (its blocks may be freed after this step), stored behind
+                    rows = self._paged.gather(ids, into=self._paged.new_rows(len(ids)))
+                    future = self._saver.submit(self._store.store, keys, [row.numpy() for row in rows])
+                    future.add_done_callback(_report)
+                    self._shared.saving.append(future)
                 self._shared.saved_blocks += len(todo)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -248,4 +321,14 @@ class KVClusterConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
+        """Background reads and stores finish first: nothing handed to the saver is dropped."""
+        for pool in (self._loader, self._saver):
+            if pool is not None:
+                pool.shutdown(wait=True)
         release_store(self._engine)
+
+
+def _report(future: Future) -> None:
+    """Log a background store that raised (its blocks stay misses)."""
+    if future.exception() is not None:
+        log.error("kvcluster: a background store failed; its blocks stay misses", exc_info=future.exception())

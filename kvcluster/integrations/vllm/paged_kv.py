@@ -59,16 +59,21 @@ class PagedKV:
     def layers(self) -> int:
         return len(self._pages)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather(self, block_ids: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks `block_ids` as host rows `[n, row_bytes]` uint8: row j is layer 0's page of block_ids[j],
         then layer 1's, ...
 
         The rows live in a buffer this object reuses: they are valid until the next `gather`, so store
-        (copy) them before gathering again. Pinned when the paged tensors are on CUDA.
+        (copy) them before gathering again, or pass rows of your own as `into` (`new_rows`). Pinned when
+        the paged tensors are on CUDA.
         """
         ids = self._checked(block_ids)
         n, cuda = len(ids), self.device.type == "cuda"
-        out = self._rows("_out", n)
+        if into is not None and (tuple(into.shape) != (n, self.row_bytes) or into.dtype != torch.uint8
+                                 or into.device.type != "cpu" or not into.is_contiguous()):
+            raise ValueError(f"paged KV: gather into a contiguous host uint8 tensor of shape {(n, self.row_bytes)}, "
+                             f"not {into.dtype} {tuple(into.shape)} on {into.device}")
+        out = self._rows("_out", n) if into is None else into
         if not ids:
             return out
         stage = self._staging(n) if cuda else out.view(n, self.layers, self.page_bytes)  # CPU: the rows
@@ -79,6 +84,11 @@ class PagedKV:
             out.copy_(stage.view(n, self.row_bytes), non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the caller reads the rows next
         return out
+
+    def new_rows(self, n: int) -> torch.Tensor:
+        """`n` host rows of a block each, the caller's to keep (pinned for CUDA, page-aligned): what an
+        asynchronous load reads into, or a save stores from, while the next step gathers and scatters."""
+        return aligned_host_tensor(n, self.row_bytes, pin=self.device.type == "cuda")
 
     def landing(self, n: int) -> torch.Tensor:
         """`n` host rows (pinned for CUDA) to read payloads into before `scatter`: payload j found in landing

@@ -17,7 +17,8 @@ tiers start empty with their process (the nvme slab's index lives in memory).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from concurrent.futures import wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -72,6 +73,13 @@ class ConnectorConfig(BaseModel):
                           "KV layout. Engines that share a store must agree on it")
     cluster: ClusterLink | None = Field(None, description="join a kvcluster cluster: its index, tier actors "
                                                           "and control plane behind this engine's own tiers")
+    async_loads: bool = Field(True, description="read a request's blocks on a thread of their own while the "
+                                                "engine runs other requests; the request waits for them (vLLM's "
+                                                "asynchronous load). False: every load lands before the step's "
+                                                "forward, which waits for it")
+    async_saves: bool = Field(True, description="copy saved blocks out of the paged KV at the end of the step "
+                                                "and write them to the tiers on a thread of their own. False: the "
+                                                "step waits for the tiers' writes")
 
     @field_validator("tiers")
     @classmethod
@@ -177,10 +185,16 @@ class EngineStore:
     loaded_blocks: int = 0  # blocks copied from the store into vLLM's paged KV
     failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
     saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
+    saving: list = field(default_factory=list)  # Futures of background stores (`async_saves`)
+
+    def wait_saved(self, timeout_s: float | None = None) -> None:
+        """Block until every background store handed over so far is in the tiers (or failed and logged)."""
+        pending, self.saving = list(self.saving), []
+        wait(pending, timeout=timeout_s)
 
     def held(self, keys: list[BlockKey]) -> int:
         """How many leading blocks of `keys` are held: in this engine's tiers, then anywhere in the cluster."""
-        n = len(self.local.tiered.manager.lookup(keys))
+        n = self.local.held(keys)
         if n == len(keys) or self.store is self.local:
             return n
         return n + self.store.remote_prefix(keys[n:])
