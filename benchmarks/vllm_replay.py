@@ -95,7 +95,7 @@ def working_set_blocks(turns: list[Turn]) -> int:
     return len({k for t in turns for k in space.chain_token_ids(t.prompt, BLOCK)})
 
 
-def _connector(arm: str, work: Path, dram_mib: int) -> dict | None:
+def _connector(arm: str, work: Path, dram_mib: int, background: bool = True) -> dict | None:
     if arm == "vllm+example_connector":
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(work)}}
@@ -103,14 +103,15 @@ def _connector(arm: str, work: Path, dram_mib: int) -> dict | None:
         return {"kv_connector": "KVClusterConnector",
                 "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity_mib": dram_mib}]}}
+                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity_mib": dram_mib}],
+                                              "async_loads": background, "async_saves": background}}
     return None
 
 
-def _engine(model: Path, arm: str, work: Path, kv_blocks: int, dram_mib: int):
+def _engine(model: Path, arm: str, work: Path, kv_blocks: int, dram_mib: int, background: bool = True):
     from vllm import LLM
 
-    transfer = _connector(arm, work, dram_mib)
+    transfer = _connector(arm, work, dram_mib, background)
     kw = {} if transfer is None else {"kv_transfer_config": transfer}
     return LLM(model=str(model), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
                enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=kv_blocks, **kw)
@@ -162,13 +163,14 @@ class ArmRun:
     counts: dict  # what the connector moved or stored
 
 
-def run_arm(arm: str, turns: list[Turn], model: Path, kv_blocks: int, dram_mib: int, max_new: int) -> ArmRun:
+def run_arm(arm: str, turns: list[Turn], model: Path, kv_blocks: int, dram_mib: int, max_new: int,
+            background: bool = True) -> ArmRun:
     """One arm over one dataset's turns, from a fresh engine and fresh connector storage."""
     from kvcluster.integrations.vllm.store import engine_stores
 
     with tempfile.TemporaryDirectory(prefix="kvcluster-vllm-replay-") as work:
         before = set(engine_stores())
-        llm = _engine(model, arm, Path(work), kv_blocks, dram_mib)
+        llm = _engine(model, arm, Path(work), kv_blocks, dram_mib, background)
         engine = llm.llm_engine
         _serve(engine, "warmup", [3 + (7 * i) % 31000 for i in range(64)], 1)
         ttfts, cached = [], 0
@@ -203,7 +205,8 @@ def bench_dataset(dataset: str, args, model: Path) -> dict:
     runs: dict[str, list[ArmRun]] = {arm: [] for arm in ARMS}
     for _ in range(args.rounds):
         for arm in ARMS:
-            runs[arm].append(run_arm(arm, turns, model, args.kv_blocks, args.dram_mib, args.max_new_tokens))
+            runs[arm].append(run_arm(arm, turns, model, args.kv_blocks, args.dram_mib, args.max_new_tokens,
+                                     not args.sync_transfers))
     arms = {arm: summarize(r) for arm, r in runs.items()}
     base, example, ours = arms["vllm"], arms["vllm+example_connector"], arms["vllm+kvcluster"]
     for r in arms.values():
@@ -238,6 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=_positive, default=1,
                         help="replays of each dataset, the three arms in turn each round (figures pool all rounds)")
     parser.add_argument("--dram-mib", type=_positive, default=512, help="kvcluster's dram tier (1 MiB a block)")
+    parser.add_argument("--sync-transfers", action="store_true",
+                        help="kvcluster's loads and saves inside the engine step (async_loads/async_saves off)")
     parser.add_argument("--ttft-prompts", type=int, default=3,
                         help="prompts of the dram-vs-vLLM-prefix-cache TTFT check (0 skips it)")
     args = parser.parse_args(argv)
@@ -280,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     out = JsonOutput(args.json)
     report: dict = {"kv_blocks": args.kv_blocks, "block_tokens": BLOCK, "dram_mib": args.dram_mib,
                     "max_new_tokens": args.max_new_tokens, "max_model_len": MAX_MODEL_LEN,
-                    "conversations": args.conversations, "max_turns": args.max_turns, "rounds": args.rounds}
+                    "conversations": args.conversations, "max_turns": args.max_turns, "rounds": args.rounds,
+                    "kvcluster_transfers": "sync" if args.sync_transfers else "async"}
     with tempfile.TemporaryDirectory(prefix="kvcluster-vllm-replay-model-") as tmp:
         model = model_dir(Path(tmp) / "model")
         report["replays"] = [bench_dataset(d, args, model) for d in args.datasets]

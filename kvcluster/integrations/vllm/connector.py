@@ -26,7 +26,7 @@ them. The paged tensors are only ever touched by the engine's own thread.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ from .paged_kv import PagedKV
 from .store import EngineStore, parse_config, release_store, shared_store
 
 log = logging.getLogger(__name__)
+LOAD_WAIT_S = 0.005  # per step with loads in flight, the engine thread waits up to this long for one of them
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -271,6 +272,8 @@ class KVClusterConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads whose reads are done, now in place (their failed blocks are reported in this same pass:
         vLLM asks for the load errors right after). A read that raised is a miss of every block."""
+        if self._loading:  # the loader needs the GIL: a step with nothing else to do would spin and starve it
+            wait([f for _, f in self._loading.values()], timeout=LOAD_WAIT_S, return_when=FIRST_COMPLETED)
         done = set()
         for req_id, (load, future) in list(self._loading.items()):
             if not future.done():
