@@ -28,24 +28,34 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_serve(prefix: str) -> Iterator[tuple[str, int]]:
-    """Ray (two CPUs) and Serve on a free port; yields (the temp dir, the port) and shuts both down after."""
-    import ray
-    from ray import serve
-
+def ray_tmpdir(prefix: str) -> Iterator[str]:
+    """A short temp dir as RAY_TMPDIR (short socket paths, nothing shared with other Ray instances), removed and
+    the variable restored after, so later tests in the process do not inherit it."""
     tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     saved_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp)
-    port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield tmp, port
+        yield tmp
     finally:
-        serve.shutdown()
-        ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
         if saved_tmpdir is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = saved_tmpdir
+
+
+@contextmanager
+def local_serve(prefix: str) -> Iterator[tuple[str, int]]:
+    """Ray (two CPUs) and Serve on a free port; yields (the temp dir, the port) and shuts both down after."""
+    import ray
+    from ray import serve
+
+    with ray_tmpdir(prefix) as tmp:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp)
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            yield tmp, port
+        finally:
+            serve.shutdown()
+            ray.shutdown()

@@ -31,6 +31,8 @@ from kvcluster.integrations.vllm.store import engine_stores  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 from kvcluster.tokenizer import tokenizer_dir  # noqa: E402
 
+from serve_support import ray_tmpdir  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128  # vLLM's block size on CPU
 PROMPT = [random.Random(7).randrange(3, 32000) for _ in range(4 * BLOCK + 88)]  # 4 full blocks and a tail
@@ -169,8 +171,6 @@ def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None
 def two_nodes():
     """A two-node Ray cluster (`ray.cluster_utils.Cluster`) running kvcluster's actors for this model's vLLM
     blocks: nodes n0 and n1, a dram tier actor on each, the index, the predictor and the control plane."""
-    import tempfile
-
     import ray
     from ray.cluster_utils import Cluster
 
@@ -178,34 +178,27 @@ def two_nodes():
     from kvcluster.actors.index_actor import NAMESPACE
     from kvcluster.cluster_config import ClusterConfig
 
-    tmp = tempfile.mkdtemp(prefix="kvcv", dir="/tmp")  # short socket paths, nothing shared with other Rays
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    args = {"object_store_memory": 128 << 20}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
-                                                     "include_dashboard": False, **args})
-    c.add_node(num_cpus=1, resources={"n1": 1}, **args)
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    c.wait_for_nodes()
-    dram = [{"tier": "dram", "capacity_gib": 0.01}]  # 10 blocks of 1 MiB
-    cfg = ClusterConfig.model_validate({
-        "model": "kvcluster-tiny-llama", "block_tokens": BLOCK, "dtype": "fp32", "policy": "lru",
-        "checkpoint_dir": os.path.join(tmp, "predictor"),
-        "nodes": [{"name": "n0", "ray_resource": "n0", "tiers": dram}, {"name": "n1", "ray_resource": "n1",
-                                                                       "tiers": dram}]})
-    assert cfg.block_bytes() == 1 << 20  # = vLLM's block of every layer (page bytes x layers)
-    up(cfg)
-    try:
-        yield cfg
-    finally:
-        down(cfg)
-        ray.shutdown()
-        c.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
+    with ray_tmpdir("kvcv") as tmp:
+        args = {"object_store_memory": 128 << 20}
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
+                                                         "include_dashboard": False, **args})
+        c.add_node(num_cpus=1, resources={"n1": 1}, **args)
+        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+        c.wait_for_nodes()
+        dram = [{"tier": "dram", "capacity_gib": 0.01}]  # 10 blocks of 1 MiB
+        cfg = ClusterConfig.model_validate({
+            "model": "kvcluster-tiny-llama", "block_tokens": BLOCK, "dtype": "fp32", "policy": "lru",
+            "checkpoint_dir": os.path.join(tmp, "predictor"),
+            "nodes": [{"name": "n0", "ray_resource": "n0", "tiers": dram},
+                      {"name": "n1", "ray_resource": "n1", "tiers": dram}]})
+        assert cfg.block_bytes() == 1 << 20  # = vLLM's block of every layer (page bytes x layers)
+        up(cfg)
+        try:
+            yield cfg
+        finally:
+            down(cfg)
+            ray.shutdown()
+            c.shutdown()
 
 
 def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_recomputed(model_dir, reference,
