@@ -290,7 +290,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Every load finished in `start_load_kv`, before the forward."""
+        """Nothing to wait for per layer: a sync load is in place when `start_load_kv` returns, and a request
+        loading asynchronously is not in this step's forward."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
