@@ -69,16 +69,17 @@ class MemoryPoolBackend(SlottedBackend):
             if last[key] == i and views[i].nbytes <= self.slot_bytes:
                 slots[i] = self.table.allocate(key)
         summed = [0] * len(items)
-        if self._host is not None and self.verify:  # device payloads into host slots: summed on their device
-            on_device = [i for i, v in enumerate(views) if isinstance(v, torch.Tensor) and slots[i] is not None]
-            for i, digest in zip(on_device, tensor_hashes([views[i] for i in on_device])):
+        on_device = [i for i, v in enumerate(views) if type(v) is not np.ndarray]  # (a type test: cheap per block)
+        if on_device and self._host is not None and self.verify:  # into host slots: summed on their device
+            hashed = [i for i in on_device if slots[i] is not None]
+            for i, digest in zip(hashed, tensor_hashes([views[i] for i in hashed])):
                 summed[i] = digest
 
         def store(i: int) -> None:
             slot, view = slots[i], views[i]
             if slot is None:
                 return
-            if self._host is None or isinstance(view, torch.Tensor):  # a copy touching a device: DMA
+            if self._host is None or type(view) is not np.ndarray:  # a copy touching a device: DMA
                 self.pool[slot, : view.nbytes].copy_(_as_tensor(view), non_blocking=True)
             elif self.verify:
                 summed[i] = copy_hash(self._host[slot], view)
@@ -87,7 +88,8 @@ class MemoryPoolBackend(SlottedBackend):
 
         try:
             self._run(store, len(items), sum(v.nbytes for v in views))
-            self._finish_device_copies(views)
+            if on_device or self._host is None:
+                self._finish_device_copies([views[i] for i in on_device])
         except BaseException:  # nothing of this batch was committed: new keys' slots go back to the free list
             for i, (key, _) in enumerate(items):
                 if slots[i] is not None and key not in self.table:
@@ -126,7 +128,7 @@ class MemoryPoolBackend(SlottedBackend):
                 return
             dst = _bytes_view(out[i])[: entry.length] if out is not None else aligned_empty(entry.length)
             results[i] = dst
-            if self._host is None or isinstance(dst, torch.Tensor):  # a copy touching a device: DMA
+            if self._host is None or type(dst) is not np.ndarray:  # a copy touching a device: DMA
                 _as_tensor(dst).copy_(self.pool[entry.slot, : entry.length], non_blocking=True)
                 # a host slot's block is summed where it landed, below; a device pool does not verify
                 intact[i] = self._host is None or not self.verify
@@ -137,9 +139,10 @@ class MemoryPoolBackend(SlottedBackend):
                 intact[i] = True
 
         self._run(load, len(keys), sum(e.length for e in entries if e is not None))
-        self._finish_device_copies(results)
-        if self._host is not None and self.verify:  # blocks DMAed to a device: verified there, in one batch
-            landed = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        landed = [i for i, r in enumerate(results) if r is not None and type(r) is not np.ndarray]
+        if landed or self._host is None:
+            self._finish_device_copies([results[i] for i in landed])
+        if landed and self._host is not None and self.verify:  # blocks DMAed to a device: verified there, at once
             for i, digest in zip(landed, tensor_hashes([results[i] for i in landed])):
                 intact[i] = digest == entries[i].checksum
         for i, (key, entry) in enumerate(zip(keys, entries)):
@@ -157,7 +160,7 @@ class MemoryPoolBackend(SlottedBackend):
 
     def _finish_device_copies(self, buffers: Sequence) -> None:
         """Wait for this call's DMAs (queued on the current stream of each device involved)."""
-        devices = {b.device for b in buffers if isinstance(b, torch.Tensor) and b.device.type != "cpu"}
+        devices = {b.device for b in buffers if b.device.type != "cpu"}
         if self.pool.device.type != "cpu":
             devices.add(self.pool.device)
         for device in devices:
@@ -177,6 +180,8 @@ class MemoryPoolBackend(SlottedBackend):
 
 def _bytes_view(data: Payload) -> np.ndarray | torch.Tensor:
     """A payload's bytes, flat: a numpy view of host memory (CPU tensors too), a uint8 tensor of device memory."""
+    if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1:  # the common case, tested first
+        return data
     if isinstance(data, torch.Tensor):
         if not data.is_contiguous():
             raise ValueError(f"a tensor payload must be contiguous (shape {tuple(data.shape)}, "
@@ -184,7 +189,7 @@ def _bytes_view(data: Payload) -> np.ndarray | torch.Tensor:
         flat = data.reshape(-1).view(torch.uint8)
         return flat.numpy() if flat.device.type == "cpu" else flat
     if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
-        return data
+        return data.view(np.ndarray)  # a subclass (a memmap) as a plain array: host bytes are ndarrays here
     return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
 
 

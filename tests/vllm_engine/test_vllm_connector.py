@@ -157,6 +157,9 @@ def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(mo
      "fastest first"),
     ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "policy": "nope"}, "unknown policy 'nope'"),
     ({"tiers": [{"kind": "dram", "capacity_mib": 8, "size": 1}]}, "size"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "cluster": {"address": "auto"}}, "cluster.node"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "cluster": {"node": "n0", "timeout_s": 0}}, "timeout_s"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "async_loads": "sometimes"}, "async_loads"),
 ])
 def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None:
     from kvcluster.errors import ConfigError
@@ -230,6 +233,9 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
     assert shared.store.counters["nixl_blocks"] == 4  # straight from n0's slab
     close(llm)
+
+    with pytest.raises(Exception, match="cluster.node: no tier actors of node 'n7' are running"):
+        engine(model_dir, local, {"node": "n7"})  # a node the cluster does not have: refused by name, at startup
 
     ray.kill(ray.get_actor(actor_name("n0", "dram"), namespace=NAMESPACE), no_restart=True)
     llm, shared = engine(model_dir, local, {"node": "n1"})
