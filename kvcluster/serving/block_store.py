@@ -17,7 +17,7 @@ import numpy as np
 
 from ..keys import BlockKey
 from ..policies.base import RequestContext
-from ..storage.tiered import TieredStore
+from ..storage.tiered import ResidencyLog, TieredStore
 
 
 class BlockStore(Protocol):
@@ -58,6 +58,18 @@ class LocalBlockStore:
         """Whether each block is in some tier."""
         with self._lock:
             return [self.tiered.manager.tier_of(k) is not None for k in keys]
+
+    def residency_changes(self) -> tuple[list[BlockKey], list[BlockKey], bool]:
+        """(blocks that entered the tiers, blocks that left them, whether this is a full listing) since the
+        last call. The first call lists every block held (those adopted from files included) and starts
+        following the changes."""
+        with self._lock:
+            if self.tiered.residency is None:
+                self.tiered.residency = ResidencyLog()
+                held = [BlockKey(k) for keys in self.tiered.manager.resident().values() for k in keys]
+                return held, [], True
+            entered, left = self.tiered.residency.take()
+            return entered, left, False
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0) -> None:

@@ -202,15 +202,7 @@ class PFSBackend(StorageBackend):
 
     def keys(self) -> list[BlockKey]:
         """Every block file under the root (written by any node, in any earlier run)."""
-        out = []
-        for path in self.base.glob("??/??/*.kvb"):
-            try:
-                key = bytes.fromhex(path.stem)
-            except ValueError:
-                continue
-            if len(key) == KEY_BYTES:
-                out.append(BlockKey(key))
-        return out
+        return stored_keys(self.root)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -248,3 +240,16 @@ class PFSBackend(StorageBackend):
         for path in self.base.glob("??/??/*"):
             assert path.name.endswith(".kvb") or path.name.endswith(".tmp"), path
             assert path.resolve().parent.parent.parent == self.base
+
+
+def stored_keys(root: str | Path) -> list[BlockKey]:
+    """Keys of the block files a pfs tier rooted at `root` holds (none when it does not exist yet)."""
+    out = []
+    for path in (Path(root).resolve() / "kv").glob("??/??/*.kvb"):
+        try:
+            key = bytes.fromhex(path.stem)
+        except ValueError:
+            continue
+        if len(key) == KEY_BYTES:
+            out.append(BlockKey(key))
+    return out

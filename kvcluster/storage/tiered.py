@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cache_manager import CacheManager
+from ..cache_manager import CacheManager, Event
 from ..control_plane import ControlPlane
 from ..keys import BlockKey
 from ..plan_executor import BackendTierIO
@@ -35,6 +35,27 @@ class FetchResult:
     dropped_corrupt: int  # blocks found in the index whose bytes failed verification
 
 
+class ResidencyLog:
+    """Which blocks entered or left a store's tiers since last asked: what a process that cannot see the
+    store (vLLM's scheduler, when the workers run in processes of their own) needs to know what it holds.
+    Moves between tiers change nothing; a block stored and then evicted before the next `take` left."""
+
+    def __init__(self) -> None:
+        self._now_held: dict[BlockKey, bool] = {}  # net state of each block changed since the last take
+
+    def record(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if event.kind == "stored":
+                self._now_held[BlockKey(event.key)] = True
+            elif event.kind in ("evicted", "lost"):
+                self._now_held[BlockKey(event.key)] = False
+
+    def take(self) -> tuple[list[BlockKey], list[BlockKey]]:
+        """(blocks held now, blocks gone) among those that changed since the last call."""
+        changed, self._now_held = self._now_held, {}
+        return [k for k, held in changed.items() if held], [k for k, held in changed.items() if not held]
+
+
 class TieredStore:
     def __init__(self, backends: Sequence[StorageBackend], block_bytes: int, policy: str = "lru", **policy_options):
         self.backends = list(backends)
@@ -45,10 +66,12 @@ class TieredStore:
         self.plane = ControlPlane(self.manager, BackendTierIO(self.backends))
         self._fetched: dict[BlockKey, tuple[np.ndarray, int | None]] = {}  # what `fetch` read, with digests
         self.evictions = [0] * len(self.backends)  # blocks each tier gave up by policy decision, so far
+        self.residency: ResidencyLog | None = None  # set to follow which blocks the tiers hold (`ResidencyLog`)
 
     def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> FetchResult:
         """Load the longest cached prefix of `keys`: one batched read per tier (into `out[j]` when given)."""
         got = self.plane.fetch(keys, out)
+        self._drain_events()  # a corrupt block left the tiers
         self._fetched = {k: (p, d) for k, p, d in zip(keys, got.payloads, got.digests)}
         return FetchResult(len(got.payloads), got.payloads, tuple(self.backends[t].name for t in got.tiers),
                            got.corrupt)
@@ -67,8 +90,13 @@ class TieredStore:
         for m in plan.moves:
             if m.src is not None and (m.dst is None or m.dst > m.src):
                 self.evictions[m.src] += 1
-        self.manager.drain_events()
+        self._drain_events()
         self._fetched = {}
+
+    def _drain_events(self) -> None:
+        events = self.manager.drain_events()
+        if self.residency is not None:
+            self.residency.record(events)
 
     def check_integrity(self) -> None:
         """Every block the hierarchy holds in a tier is readable from that tier's backend."""

@@ -21,6 +21,11 @@ WAITING_FOR_REMOTE_KVS and the engine runs the others; `get_finished` puts the b
 releases the request. A save's blocks are copied out of the paged KV at the end of the step (they may
 be freed or preempted after it) and written to the tiers on a saver thread; until then a lookup misses
 them. The paged tensors are only ever touched by the engine's own thread.
+
+Tensor parallel: each worker (a process of its own) moves its shard of each block through tiers of its own,
+under the same keys, and reports each step which blocks entered and left them (`build_connector_worker_meta`);
+the scheduler promises a block only when every worker holds it (`WorkerHoldings`), and a load error on any
+worker makes every worker recompute the block (vLLM gathers the workers' errors).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace
+from .holdings import RankReport, WorkerHoldings
 from .paged_kv import PagedKV
-from .store import EngineStore, parse_config, release_store, shared_store
+from .store import EngineStore, files_held, for_rank, parse_config, release_store, shared_store
 
 log = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.005  # per step with loads in flight, the engine thread waits up to this long for one of them
@@ -72,6 +79,17 @@ class KVClusterMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class KVClusterWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, each step: which blocks entered and left each worker's tiers."""
+
+    reports: dict[int, RankReport]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVClusterWorkerMetadata)
+        return KVClusterWorkerMetadata(self.reports | other.reports)
+
+
+@dataclass
 class _Tracked:
     """A running request, as the scheduler side follows it."""
 
@@ -90,14 +108,22 @@ class KVClusterConnector(KVConnectorBase_V1):
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigError("kv_transfer_config.kv_load_failure_policy must be 'recompute' for "
                               "KVClusterConnector: a block that fails its checksum is a miss to recompute")
-        executor = vllm_config.parallel_config.distributed_executor_backend
-        if executor != "uni":
+        parallel = vllm_config.parallel_config
+        executor = parallel.distributed_executor_backend
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("KVClusterConnector stores every layer of a block together; with pipeline "
+                              "parallelism each stage holds only its own layers. Use pipeline_parallel_size=1")
+        if executor not in ("uni", "mp", "ray"):
+            raise ConfigError(f"KVClusterConnector runs with vLLM's 'uni' executor (one worker in the engine "
+                              f"process), 'mp' or 'ray' (workers in processes of their own), not {executor!r}")
+        self._in_process = executor == "uni"  # else the scheduler knows the workers' tiers from their reports
+        if not self._in_process and config.cluster is not None:
             raise ConfigError(
-                f"KVClusterConnector keeps its store in the engine-core process, next to one in-process worker; "
-                f"this engine runs its workers through the {executor!r} executor (other processes), where the "
-                f"scheduler could not see what the workers store. Use one worker in the engine process: "
-                f"distributed_executor_backend='uni' with tensor_parallel_size=1 (on CPU vLLM picks 'mp' unless "
-                f"VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+                f"kv_connector_extra_config.cluster needs vLLM's worker in the engine process (the scheduler asks "
+                f"the cluster through the worker's store); this engine runs its workers through the {executor!r} "
+                f"executor. Use distributed_executor_backend='uni' with tensor_parallel_size=1 (on CPU vLLM picks "
+                f"'mp' unless VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self._workers = parallel.tensor_parallel_size
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ConfigError(f"KVClusterConnector handles models with one KV cache group, this one has "
@@ -109,8 +135,25 @@ class KVClusterConnector(KVConnectorBase_V1):
         block_bytes = self._page_bytes * len(self._layer_names)
         self._keys = KeySpace(model=config.model_fingerprint or self._fingerprint(vllm_config, block_bytes))
         self._engine = vllm_config.instance_id or str(id(vllm_config))
-        self._shared: EngineStore = shared_store(self._engine, config, block_bytes)
-        self._store = self._shared.store
+        # Where the blocks live: one store per worker (each holds its shard of every block); the scheduler
+        # asks the worker's store itself when they share a process, else follows the workers' reports.
+        self._shared: EngineStore | None = None
+        self._holdings: WorkerHoldings | None = None
+        self._rank = 0
+        if self._in_process:
+            self._store_name = self._engine
+            self._shared = shared_store(self._store_name, config, block_bytes)
+        elif role == KVConnectorRole.SCHEDULER:
+            self._holdings = WorkerHoldings(self._workers)
+            for rank in range(self._workers):  # block files a fresh worker will adopt: promised before it reports
+                self._holdings.seed(rank, files_held(for_rank(config, rank, self._workers)))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+            self._store_name = f"{self._engine}/tp{self._rank}"
+            self._shared = shared_store(self._store_name, for_rank(config, self._rank, self._workers), block_bytes)
+        self._store = self._shared.store if self._shared is not None else None
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
@@ -159,8 +202,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         start = num_computed_tokens // bs
         if start >= usable:
             return 0, False
-        keys = self._chain(tracked, usable)
-        held = self._shared.held(keys[start:usable])
+        keys = self._chain(tracked, usable)[start:usable]
+        held = self._shared.held(keys) if self._holdings is None else self._holdings.held(keys)
         self._matched[request.request_id] = (start, held)
         return held * bs, self._async_loads and held > 0
 
@@ -203,7 +246,12 @@ class KVClusterConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         """Blocks that failed to load will be recomputed: they are not offered to that request again (an
         asynchronous load that failed sends the request back to waiting, where it would be promised the same
-        blocks), and their saving starts again from the first."""
+        blocks), and their saving starts again from the first. Workers in processes of their own report here
+        which blocks entered and left their tiers."""
+        reported = connector_output.kv_connector_worker_meta
+        if self._holdings is not None and isinstance(reported, KVClusterWorkerMetadata):
+            for rank, report in sorted(reported.reports.items()):
+                self._holdings.apply(rank, report)
         bad = connector_output.invalid_block_ids or set()
         for req_id, load in list(self._issued.items()):
             failed = next((j for j, b in enumerate(load.block_ids) if b in bad), None)
@@ -320,6 +368,16 @@ class KVClusterConnector(KVConnectorBase_V1):
                     self._shared.saving.append(future)
                 self._shared.saved_blocks += len(todo)
 
+    def build_connector_worker_meta(self) -> "KVClusterWorkerMetadata | None":
+        """A worker in a process of its own tells the scheduler which blocks entered and left its tiers (all it
+        holds, the first time)."""
+        if self._in_process or self._shared is None:
+            return None
+        entered, left, full = self._shared.local.residency_changes()
+        if not (entered or left or full):
+            return None
+        return KVClusterWorkerMetadata({self._rank: RankReport(entered, left, full)})
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -329,7 +387,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         for pool in (self._loader, self._saver):
             if pool is not None:
                 pool.shutdown(wait=True)
-        release_store(self._engine)
+        if self._shared is not None:
+            release_store(self._store_name)
 
 
 def _report(future: Future) -> None:

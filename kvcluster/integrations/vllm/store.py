@@ -6,10 +6,11 @@ this node's tier actors first and other nodes' memory tiers over NIXL (`ClusterB
 blocks go to the control plane, whose policy places them in the cluster's tiers. A tier actor that is
 gone or slow is a miss, and vLLM recomputes.
 
-vLLM builds two connector objects per engine, one for the scheduler and one for the worker; with one
-worker in the engine-core process (the "uni" executor; the connector refuses others) both live there, so
-they share one `LocalBlockStore` through `shared_store`, keyed by the engine's config instance id: the
-scheduler asks it what it holds, the worker moves the bytes. A store over a `pfs` (file) tier adopts the
+vLLM builds two connector objects per engine, one for the scheduler and one per worker. With one worker
+in the engine-core process (the "uni" executor) both live there and share one `LocalBlockStore` through
+`shared_store`, keyed by the engine's config instance id: the scheduler asks it what it holds, the worker
+moves the bytes. With workers in processes of their own (tensor parallel) each builds the store of its own
+shard (`for_rank`) and reports what it holds (`holdings.py`). A store over a `pfs` (file) tier adopts the
 block files already there, so a fresh engine finds the blocks an earlier one wrote; the `dram` and `nvme`
 tiers start empty with their process (the nvme slab's index lives in memory).
 """
@@ -31,7 +32,7 @@ from ...serving.block_store import LocalBlockStore
 from ...storage.base import StorageBackend
 from ...storage.memory import dram_backend
 from ...storage.nvme import NVMeBackend
-from ...storage.pfs import PFSBackend
+from ...storage.pfs import PFSBackend, stored_keys
 from ...storage.tiered import TieredStore
 
 MIB = 1 << 20
@@ -108,6 +109,22 @@ def parse_config(extra: dict) -> ConnectorConfig:
         return ConnectorConfig.model_validate(extra)
     except ValueError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+
+def for_rank(config: ConnectorConfig, rank: int, ranks: int) -> ConnectorConfig:
+    """The tiers of worker `rank` of `ranks` (tensor parallel): each worker stores its own shard of every
+    block, so each keeps its files in a directory of its own (`PATH/tp{rank}-of-{ranks}`), where a fresh
+    engine of the same shape finds them. One worker keeps the paths as given."""
+    if ranks == 1:
+        return config
+    tiers = [t.model_copy(update={"path": str(Path(t.path) / f"tp{rank}-of-{ranks}")}) if t.path else t
+             for t in config.tiers]
+    return config.model_copy(update={"tiers": tiers})
+
+
+def files_held(config: ConnectorConfig) -> list[BlockKey]:
+    """The blocks a store over `config` will adopt from its pfs tier's files, before it is built."""
+    return [key for t in config.tiers if t.kind == "pfs" for key in stored_keys(t.path)]
 
 
 def _backend(tier: TierConfig, block_bytes: int) -> StorageBackend:

@@ -1,0 +1,98 @@
+"""KVClusterConnector under tensor parallelism: two vLLM workers, each in its own process with its own shard.
+
+Each worker keeps its shard of every block in tiers of its own (file tiers in `PATH/tp{rank}-of-2`); the
+scheduler, in the engine process, knows what they hold only from their per-step reports, and promises a
+block only when both hold it. The reference is the same two-worker engine without the connector, its
+prompt served from vLLM's own prefix cache: the same KV through the same kernels, so the log-probabilities
+match bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh`")
+
+from test_vllm_connector import BLOCK, FINGERPRINT, KEYS, close, generate, model_dir  # noqa: E402,F401
+
+from kvcluster.storage import PFSBackend  # noqa: E402
+
+TP = 2
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    """vLLM's CPU workers bind their OpenMP threads to NUMA nodes; a machine with one node needs them named."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // TP)
+    binds = [cores[min(r * per, len(cores) - 1):][:per] for r in range(TP)]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, b)) for b in binds))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function of this test
+
+
+def tp_engine(model_dir, tiers: list[dict] | None = None):
+    kw = {}
+    if tiers is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVClusterConnector", "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": tiers, "model_fingerprint": FINGERPRINT}}
+    return vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                    enable_prefix_caching=True, max_model_len=2048, tensor_parallel_size=TP,
+                    distributed_executor_backend="mp", **kw)
+
+
+def _worker_counts(worker) -> tuple[int, int, int]:
+    """In a worker: (blocks loaded, failed, saved) by its connector, once its background saves are in."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    shared = get_kv_transfer_group()._shared
+    shared.wait_saved()
+    return shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks
+
+
+def counts(llm) -> list[tuple[int, int, int]]:
+    return [tuple(c) for c in llm.collective_rpc(_worker_counts)]
+
+
+def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_loads_both(
+        model_dir, two_workers, tmp_path) -> None:
+    llm = tp_engine(model_dir)  # vLLM alone, both workers
+    cold, warm = generate(llm), generate(llm)
+    close(llm)
+    assert (cold[2], warm[2]) == (0, 4 * BLOCK) and cold[0] == warm[0]
+
+    tiers = [{"kind": "pfs", "capacity_mib": 8, "path": str(tmp_path / "pfs")}]
+    llm = tp_engine(model_dir, tiers)
+    assert generate(llm) == cold  # computed; each worker saves its shard of the 4 full blocks
+    assert counts(llm) == [(0, 0, 4), (0, 0, 4)]
+    assert sorted(os.listdir(tmp_path / "pfs")) == ["tp0-of-2", "tp1-of-2"]
+    llm.reset_prefix_cache()
+    assert generate(llm) == warm  # the prefix from both workers' tiers, bit for bit vLLM's own
+    assert counts(llm) == [(4, 0, 4), (4, 0, 4)]
+    close(llm)
+
+    llm = tp_engine(model_dir, tiers)  # a fresh engine: only the block files remain
+    assert generate(llm) == warm
+    assert counts(llm) == [(4, 0, 0), (4, 0, 0)]
+
+    shard = PFSBackend(tmp_path / "pfs" / "tp1-of-2", 8 << 20).path_for(KEYS[2])  # worker 1's third block
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    llm.reset_prefix_cache()
+    tokens, logprobs, _ = generate(llm)
+    assert tokens == cold[0]  # worker 1 reported blocks 2-3 as load errors: both workers recomputed them
+    assert logprobs == pytest.approx(cold[1], abs=1e-4)
+    assert counts(llm) == [(8, 0, 0), (6, 2, 1)]  # worker 1 stored its block 2 again; worker 0 held both
+    llm.reset_prefix_cache()
+    assert generate(llm) == warm  # worker 1's report of the new block 2 reached the scheduler
+    assert counts(llm) == [(12, 0, 0), (10, 2, 1)]
+    close(llm)
