@@ -69,6 +69,24 @@ class IndexClient:
         positions, refs = self._asked(keys)
         return merge_prefix(len(keys), zip(positions, ray.get(refs, timeout=timeout_s)))
 
+    def held_runs(self, chains: Sequence[Sequence[bytes]], timeout_s: float | None = None) -> list[int]:
+        """For each chain of keys, how many of its leading blocks the cluster holds: all chains in one `locate`
+        per shard (tensor-parallel workers' shards of one prefix are asked together)."""
+        flat = [k for chain in chains for k in chain]
+        if not flat:
+            return [0] * len(chains)
+        positions, refs = self._asked(flat)
+        located = [False] * len(flat)
+        for owned, answers in zip(positions, ray.get(refs, timeout=timeout_s)):
+            for pos, locs in zip(owned, answers):
+                located[pos] = bool(locs)
+        runs, start = [], 0
+        for chain in chains:
+            n = next((i for i in range(len(chain)) if not located[start + i]), len(chain))
+            runs.append(n)
+            start += len(chain)
+        return runs
+
     async def longest_prefix_async(self, keys: Sequence[bytes]) -> PrefixMatch:
         if self.shards == 1:
             return await self.handles[0].longest_prefix.remote(list(keys))

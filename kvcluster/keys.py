@@ -68,6 +68,22 @@ class KeySpace:
         return keys
 
 
+def shard_key(key: BlockKey, rank: int, ranks: int) -> BlockKey:
+    """The key of worker `rank`'s shard of block `key`, when `ranks` tensor-parallel workers each hold a shard
+    of every block (their heads): distinct per worker, so the shards can share tiers and an index. Its own
+    inverse (a per-worker mask), so a worker's stored keys map back to the block's. One worker: `key`."""
+    if ranks == 1:
+        return key
+    return BlockKey((int.from_bytes(key, "little") ^ _shard_mask(rank, ranks)).to_bytes(len(key), "little"))
+
+
+def _shard_mask(rank: int, ranks: int) -> int:
+    if not 0 <= rank < ranks:
+        raise ValueError(f"worker rank {rank} outside 0..{ranks - 1}")
+    digest = hashlib.blake2b(f"{rank}/{ranks}".encode(), digest_size=KEY_BYTES, person=b"kvc-shard").digest()
+    return int.from_bytes(digest, "little")
+
+
 def stand_in_key(block: int) -> BlockKey:
     """The key a trace's block id stands for where a replay needs real keys (bytes in tiers, shards): a digest,
     so such keys spread over index and control plane shards as real keys do."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcluster.keys import KEY_BYTES, KeySpace
+from kvcluster.keys import KEY_BYTES, KeySpace, shard_key
 
 
 def test_keys_are_the_same_in_another_process() -> None:
@@ -44,3 +45,15 @@ def test_chaining_means_a_key_fixes_its_whole_prefix(tokens, other) -> None:
 def test_hash_ids_and_tokens_do_not_collide() -> None:
     space = KeySpace()
     assert space.chain_hash_ids([1]) != space.chain([[1]])
+
+
+def test_shard_keys_differ_per_worker_and_map_back() -> None:
+    keys = KeySpace(model="m").chain_token_ids(list(range(64)), 16)
+    for key in keys:
+        shards = [shard_key(key, r, 4) for r in range(4)]
+        assert len(set(shards) | {key}) == 5  # every worker's shard has a key of its own
+        assert [shard_key(s, r, 4) for r, s in enumerate(shards)] == [key] * 4  # its own inverse
+        assert shard_key(key, 0, 2) != shard_key(key, 0, 4)  # a different split is different bytes
+        assert shard_key(key, 0, 1) == key  # one worker holds whole blocks
+    with pytest.raises(ValueError, match="rank 2 outside 0..1"):
+        shard_key(keys[0], 2, 2)

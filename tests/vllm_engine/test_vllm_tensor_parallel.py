@@ -1,15 +1,16 @@
 """KVClusterConnector under tensor parallelism: two vLLM workers, each in its own process with its own shard.
 
-Each worker keeps its shard of every block in tiers of its own (file tiers in `PATH/tp{rank}-of-2`); the
-scheduler, in the engine process, knows what they hold only from their per-step reports, and promises a
-block only when both hold it. The reference is the same two-worker engine without the connector, its
-prompt served from vLLM's own prefix cache: the same KV through the same kernels, so the log-probabilities
-match bit for bit.
+Each worker keeps its shard of every block in tiers of its own (file tiers in `PATH/tp{rank}-of-2`), under
+its own key (`shard_key`); the scheduler, in the engine process, knows what they hold only from their
+per-step reports (and, on a cluster, from the cluster's index), and promises a block only when both can
+load it. The reference is the same two-worker engine without the connector, its prompt served from vLLM's
+own prefix cache: the same KV through the same kernels, so the log-probabilities match bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -19,56 +20,67 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh`")
 
-from test_vllm_connector import BLOCK, FINGERPRINT, KEYS, close, generate, model_dir  # noqa: E402,F401
+from test_vllm_connector import BLOCK, FINGERPRINT, KEYS, close, generate, model_dir, two_nodes  # noqa: E402,F401
 
+from kvcluster.keys import shard_key  # noqa: E402
 from kvcluster.storage import PFSBackend  # noqa: E402
 
 TP = 2
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.fixture
-def two_workers(monkeypatch):
+@pytest.fixture(scope="module")
+def two_workers():
     """vLLM's CPU workers bind their OpenMP threads to NUMA nodes; a machine with one node needs them named."""
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // TP)
     binds = [cores[min(r * per, len(cores) - 1):][:per] for r in range(TP)]
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, b)) for b in binds))
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function of this test
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, b)) for b in binds))
+        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function of this test
+        yield
 
 
-def tp_engine(model_dir, tiers: list[dict] | None = None):
+@pytest.fixture(scope="module")
+def tp_reference(model_dir, two_workers):
+    """vLLM alone with both workers: the prompt computed cold, then from vLLM's own prefix cache."""
+    llm = tp_engine(model_dir)
+    cold, warm = generate(llm), generate(llm)
+    close(llm)
+    assert (cold[2], warm[2]) == (0, 4 * BLOCK) and cold[0] == warm[0]
+    return cold, warm
+
+
+def tp_engine(model_dir, tiers: list[dict] | None = None, cluster: dict | None = None):
     kw = {}
     if tiers is not None:
+        extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
         kw["kv_transfer_config"] = {
             "kv_connector": "KVClusterConnector", "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": tiers, "model_fingerprint": FINGERPRINT}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     return vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
                     enable_prefix_caching=True, max_model_len=2048, tensor_parallel_size=TP,
                     distributed_executor_backend="mp", **kw)
 
 
-def _worker_counts(worker) -> tuple[int, int, int]:
-    """In a worker: (blocks loaded, failed, saved) by its connector, once its background saves are in."""
+def _worker_counts(worker) -> tuple[int, int, int, int]:
+    """In a worker: (blocks loaded, failed, saved) by its connector, once its background saves are in, and the
+    blocks its cluster store read over NIXL (0 without a cluster)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     shared = get_kv_transfer_group()._shared
     shared.wait_saved()
-    return shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks
+    nixl = shared.store.counters["nixl_blocks"] if shared.store is not shared.local else 0
+    return shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks, nixl
 
 
 def counts(llm) -> list[tuple[int, int, int]]:
-    return [tuple(c) for c in llm.collective_rpc(_worker_counts)]
+    return [tuple(c)[:3] for c in llm.collective_rpc(_worker_counts)]
 
 
 def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_loads_both(
-        model_dir, two_workers, tmp_path) -> None:
-    llm = tp_engine(model_dir)  # vLLM alone, both workers
-    cold, warm = generate(llm), generate(llm)
-    close(llm)
-    assert (cold[2], warm[2]) == (0, 4 * BLOCK) and cold[0] == warm[0]
-
+        model_dir, tp_reference, tmp_path) -> None:
+    cold, warm = tp_reference
     tiers = [{"kind": "pfs", "capacity_mib": 8, "path": str(tmp_path / "pfs")}]
     llm = tp_engine(model_dir, tiers)
     assert generate(llm) == cold  # computed; each worker saves its shard of the 4 full blocks
@@ -83,7 +95,7 @@ def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_l
     assert generate(llm) == warm
     assert counts(llm) == [(4, 0, 0), (4, 0, 0)]
 
-    shard = PFSBackend(tmp_path / "pfs" / "tp1-of-2", 8 << 20).path_for(KEYS[2])  # worker 1's third block
+    shard = PFSBackend(tmp_path / "pfs" / "tp1-of-2", 8 << 20).path_for(shard_key(KEYS[2], 1, TP))  # worker 1's
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -95,4 +107,34 @@ def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_l
     llm.reset_prefix_cache()
     assert generate(llm) == warm  # worker 1's report of the new block 2 reached the scheduler
     assert counts(llm) == [(12, 0, 0), (10, 2, 1)]
+    close(llm)
+
+
+def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_dir, tp_reference,
+                                                                          two_nodes) -> None:
+    """Two-worker engines on a two-node cluster: the engine on n0 saves; the control plane places both workers'
+    shards in n0's dram tier actor. A fresh engine on n1 holds nothing itself: its scheduler asks the
+    cluster's index for both workers' shards, and each worker reads its own from n0's slab over NIXL."""
+    import ray
+
+    from kvcluster.actors.index_client import IndexClient
+
+    cold, warm = tp_reference
+    local = [{"kind": "dram", "capacity_mib": 8}]
+    link = {"node": "n0", "address": ray.get_runtime_context().gcs_address}
+    llm = tp_engine(model_dir, local, link)
+    assert generate(llm) == cold
+    assert counts(llm) == [(0, 0, 4), (0, 0, 4)]
+    close(llm)
+    shards = [[shard_key(k, r, TP) for k in KEYS] for r in range(TP)]
+    index = IndexClient.connect()
+    deadline = time.monotonic() + 30
+    while index.held_runs(shards) != [4, 4]:  # the control plane's placement is fire-and-forget
+        assert time.monotonic() < deadline, f"the cluster indexed {index.held_runs(shards)} of each worker's 4"
+        time.sleep(0.2)
+    assert index.held_runs([KEYS]) == [0]  # only the shards are stored, never a whole block
+
+    llm = tp_engine(model_dir, local, link | {"node": "n1"})
+    assert generate(llm) == warm  # vLLM's own log-probabilities
+    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4), (4, 0, 0, 4)]
     close(llm)

@@ -22,10 +22,11 @@ releases the request. A save's blocks are copied out of the paged KV at the end 
 be freed or preempted after it) and written to the tiers on a saver thread; until then a lookup misses
 them. The paged tensors are only ever touched by the engine's own thread.
 
-Tensor parallel: each worker (a process of its own) moves its shard of each block through tiers of its own,
-under the same keys, and reports each step which blocks entered and left them (`build_connector_worker_meta`);
-the scheduler promises a block only when every worker holds it (`WorkerHoldings`), and a load error on any
-worker makes every worker recompute the block (vLLM gathers the workers' errors).
+Tensor parallel: each worker (a process of its own) moves its shard of each block, under a key of its own
+(`shard_key`), through tiers of its own, and reports each step which blocks entered and left them
+(`build_connector_worker_meta`); the scheduler promises a block only when every worker can load it, from
+its tiers (`WorkerHoldings`) or the cluster's (its index, asked for every worker's shards at once). A load
+error on any worker makes every worker recompute the block (vLLM gathers the workers' errors).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...errors import ConfigError
-from ...keys import BlockKey, KeySpace
+from ...keys import BlockKey, KeySpace, shard_key
 from .holdings import RankReport, WorkerHoldings
 from .paged_kv import PagedKV
-from .store import EngineStore, files_held, for_rank, parse_config, release_store, shared_store
+from .store import EngineStore, cluster_index, files_held, for_rank, parse_config, release_store, shared_store
 
 log = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.005  # per step with loads in flight, the engine thread waits up to this long for one of them
@@ -117,12 +118,6 @@ class KVClusterConnector(KVConnectorBase_V1):
             raise ConfigError(f"KVClusterConnector runs with vLLM's 'uni' executor (one worker in the engine "
                               f"process), 'mp' or 'ray' (workers in processes of their own), not {executor!r}")
         self._in_process = executor == "uni"  # else the scheduler knows the workers' tiers from their reports
-        if not self._in_process and config.cluster is not None:
-            raise ConfigError(
-                f"kv_connector_extra_config.cluster needs vLLM's worker in the engine process (the scheduler asks "
-                f"the cluster through the worker's store); this engine runs its workers through the {executor!r} "
-                f"executor. Use distributed_executor_backend='uni' with tensor_parallel_size=1 (on CPU vLLM picks "
-                f"'mp' unless VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         self._workers = parallel.tensor_parallel_size
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -139,6 +134,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         # asks the worker's store itself when they share a process, else follows the workers' reports.
         self._shared: EngineStore | None = None
         self._holdings: WorkerHoldings | None = None
+        self._index = None  # the cluster's block index, asked by a scheduler whose workers run elsewhere
         self._rank = 0
         if self._in_process:
             self._store_name = self._engine
@@ -146,7 +142,10 @@ class KVClusterConnector(KVConnectorBase_V1):
         elif role == KVConnectorRole.SCHEDULER:
             self._holdings = WorkerHoldings(self._workers)
             for rank in range(self._workers):  # block files a fresh worker will adopt: promised before it reports
-                self._holdings.seed(rank, files_held(for_rank(config, rank, self._workers)))
+                files = files_held(for_rank(config, rank, self._workers))
+                self._holdings.seed(rank, [shard_key(k, rank, self._workers) for k in files])
+            self._cluster = config.cluster
+            self._index = None if config.cluster is None else cluster_index(config.cluster)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -202,10 +201,26 @@ class KVClusterConnector(KVConnectorBase_V1):
         start = num_computed_tokens // bs
         if start >= usable:
             return 0, False
-        keys = self._chain(tracked, usable)[start:usable]
-        held = self._shared.held(keys) if self._holdings is None else self._holdings.held(keys)
+        held = self._held(self._chain(tracked, usable)[start:usable])
         self._matched[request.request_id] = (start, held)
         return held * bs, self._async_loads and held > 0
+
+    def _held(self, keys: list[BlockKey]) -> int:
+        """How many leading blocks of `keys` every worker can load: from its own tiers, then the cluster's."""
+        if self._holdings is None:
+            return self._shared.held(keys)
+        n = self._holdings.held(keys)
+        if n == len(keys) or self._index is None:
+            return n
+        rest, workers = keys[n:], self._workers
+        try:
+            runs = self._index.held_runs([[shard_key(k, r, workers) for k in rest] for r in range(workers)],
+                                         timeout_s=self._cluster.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - an index that is gone or slow: nothing more is promised
+            log.warning("kvcluster: the cluster's index did not answer (%s); only the workers' own tiers count",
+                        type(exc).__name__)
+            return n
+        return n + min(runs)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         tracked = self._track(request)
@@ -298,14 +313,20 @@ class KVClusterConnector(KVConnectorBase_V1):
                 self._loading[load.req_id] = (load, self._loader.submit(self._read, load))
                 continue
             landing = self._paged.landing(len(load.keys))  # read straight into the rows `scatter` sends on
-            payloads = self._store.fetch(load.keys, [row.numpy() for row in landing])
+            payloads = self._store.fetch(self._stored(load.keys), [row.numpy() for row in landing])
             self._place(load, payloads)
             self._failed_this_step.update(load.block_ids[len(payloads):])
 
     def _read(self, load: BlockTransfer) -> list:
         """An async load's tier reads (loader thread): the verified run of its blocks, in rows it owns."""
         rows = self._paged.new_rows(len(load.keys))
-        return self._store.fetch(load.keys, [row.numpy() for row in rows])
+        return self._store.fetch(self._stored(load.keys), [row.numpy() for row in rows])
+
+    def _stored(self, keys) -> list[BlockKey]:
+        """The keys this worker's shards of the blocks are stored under (the blocks' own with one worker)."""
+        if self._workers == 1:
+            return list(keys)
+        return [shard_key(k, self._rank, self._workers) for k in keys]
 
     def _place(self, load: BlockTransfer, payloads: list) -> None:
         """The loaded run into the paged KV; the blocks past it (corrupt, gone) are load errors to recompute."""
@@ -350,8 +371,9 @@ class KVClusterConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVClusterMetadata)
         for save in meta.saves:
             todo = []
-            held = self._shared.local.holds(save.keys)
-            for key, block_id, here in zip(save.keys, save.block_ids, held):
+            keys = self._stored(save.keys)
+            held = self._shared.local.holds(keys)
+            for key, block_id, here in zip(keys, save.block_ids, held):
                 if block_id in self._failed_this_step:  # its bytes are not this key's: recomputed next step
                     break
                 if not here:
@@ -376,7 +398,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         entered, left, full = self._shared.local.residency_changes()
         if not (entered or left or full):
             return None
-        return KVClusterWorkerMetadata({self._rank: RankReport(entered, left, full)})
+        block = self._stored  # its own inverse: the blocks' keys, as the scheduler chains them
+        return KVClusterWorkerMetadata({self._rank: RankReport(block(entered), block(left), full)})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -2,10 +2,10 @@
 
 Ray Serve LLM (`ray.serve.llm`) overwrites `distributed_executor_backend` whatever `engine_kwargs` say: "mp" on
 CPU (the worker in a process of its own) and "ray" on GPUs (workers in Ray actors). With workers out of process
-the connector's scheduler half knows their tiers only from their per-step reports, a step late, and cannot
-join a kvcluster cluster (`cluster`). For an engine of one worker this server runs vLLM's "uni" executor
-instead (the worker inside the engine-core process, which AsyncLLM still starts next to the replica), where
-the scheduler asks the worker's store itself; tensor-parallel engines keep Ray Serve LLM's executor.
+the connector's scheduler half knows their tiers only from their per-step reports, a step late. For an
+engine of one worker this server runs vLLM's "uni" executor instead (the worker inside the engine-core
+process, which AsyncLLM still starts next to the replica), where the scheduler asks the worker's store
+itself; tensor-parallel engines keep Ray Serve LLM's executor.
 
     LLMConfig(..., server_cls="kvcluster.integrations.vllm.ray_serve_llm:KVClusterLLMServer",
               engine_kwargs={..., "kv_transfer_config": {...KVClusterConnector...}})

@@ -151,6 +151,35 @@ def build_store(config: ConnectorConfig, block_bytes: int) -> LocalBlockStore:
     return LocalBlockStore(tiered)
 
 
+def _join_ray(link: ClusterLink) -> None:
+    """Join the Ray cluster of `link` unless this process has joined one, or a ConfigError naming the address."""
+    import ray
+
+    from ...actors.index_actor import NAMESPACE
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
+                          f"{first}") from None
+
+
+def cluster_index(link: ClusterLink):
+    """The block index of the cluster `link` names (`IndexClient`), for a scheduler whose workers run
+    elsewhere, or a ConfigError that says what is missing."""
+    from ...actors.index_client import IndexClient
+
+    _join_ray(link)
+    try:
+        return IndexClient.connect(timeout_s=link.timeout_s)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's index is not running ({exc}); start "
+                          f"the cluster first (`kvcluster cluster up CONFIG`)") from None
+
+
 def join_cluster(link: ClusterLink, local: LocalBlockStore, block_bytes: int):
     """A `ClusterBlockStore` over `local` on a running cluster, or a ConfigError that says what is missing."""
     import ray
@@ -160,13 +189,7 @@ def join_cluster(link: ClusterLink, local: LocalBlockStore, block_bytes: int):
     from ...serve_apps.cluster_store import ClusterBlockStore
     from ...tiers import TIER_ORDER
 
-    if not ray.is_initialized():
-        try:
-            ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
-                              f"{first}") from None
+    _join_ray(link)
     tiers = []
     for tier in TIER_ORDER:
         try:
