@@ -437,3 +437,19 @@ def test_the_rdma_medium_names_what_ucx_can_use(tmp_path: Path, monkeypatch) -> 
     assert ucx_transport(tmp_path) == ("TCP or shared memory (RDMA left out by UCX_TLS, UCX_TLS=tcp,self)", True)
     monkeypatch.setenv("UCX_TLS", "rc,sm")
     assert ucx_transport(tmp_path) == ("RDMA verbs (mlx5_0, UCX_TLS=rc,sm)", False)
+
+
+def test_a_full_nvme_tier_keeps_a_batchs_first_blocks_whichever_way_each_is_written(tmp_path: Path) -> None:
+    """Page-aligned payloads go to the disk in place, others through a staging buffer, in two passes: the
+    blocks that get the last free slots must still be the batch's first (a request's prefix), not the aligned."""
+    backend = NVMeBackend(tmp_path, 2, 1 << 12)
+    ks = keys(4, "order")
+    raw = aligned_empty(6 << 12)
+    staged = [raw[1 + (j << 12): 1 + ((j + 1) << 12)] for j in range(2)]  # off the page: staged
+    in_place = [raw[(j + 3) << 12: (j + 4) << 12] for j in range(2)]  # whole pages: written in place
+    for j, view in enumerate(staged + in_place):
+        view[:] = j + 1
+    assert backend.put_many(list(zip(ks, staged + in_place))) == [True, True, False, False]
+    assert [None if p is None else int(p[0]) for p in backend.get_many(ks)] == [1, 2, None, None]
+    assert backend.stats()["put_failures"] == 2
+    backend.check_integrity()

@@ -108,6 +108,7 @@ class NVMeBackend(SlottedBackend):
         last = {key: i for i, (key, _) in enumerate(items)}
         fits = [i for i, view in enumerate(views) if view.nbytes <= self.slot_bytes and last[items[i][0]] == i]
         self._stats.put_failures += sum(view.nbytes > self.slot_bytes for view in views)
+        fits = self._room_for(items, fits)
         direct = {i: self._in_place(views[i]) for i in fits}
         self._put_in_place(items, views, given, [i for i in fits if direct[i]], ok)
         self._put_staged(items, views, given, [i for i in fits if not direct[i]], ok)
@@ -115,6 +116,20 @@ class NVMeBackend(SlottedBackend):
             if last[key] != i and ok[last[key]]:
                 ok[i] = True  # superseded by the same key later in this batch
         return ok
+
+    def _room_for(self, items, order: list[int]) -> list[int]:
+        """The items of `order` the free slots take, in batch order (a request's prefix first), whichever way
+        each is then written; the rest are refused now. An item whose key is stored already reuses its slot."""
+        free, admitted = self.table.free, []
+        for i in order:
+            if items[i][0] in self.table:
+                admitted.append(i)
+            elif free > 0:
+                free -= 1
+                admitted.append(i)
+            else:
+                self._stats.put_failures += 1
+        return admitted
 
     def _store(self, key: BlockKey, buffer, nbytes: int, write_bytes: int, digest: Callable[[], int],
                expected: int | None = None) -> bool:

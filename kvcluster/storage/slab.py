@@ -40,6 +40,11 @@ class SlotTable:
     def keys(self) -> list[BlockKey]:
         return list(self._entries)
 
+    @property
+    def free(self) -> int:
+        """Slots no key holds."""
+        return len(self._free)
+
     def allocate(self, key: BlockKey) -> int | None:
         """The slot for `key` (its old one when overwriting), or None when full."""
         entry = self._entries.get(key)
