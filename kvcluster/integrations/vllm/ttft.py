@@ -5,6 +5,10 @@ engine: the figures the README's vLLM section quotes.
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
         .venv-vllm/bin/python -m kvcluster.integrations.vllm.ttft --tokens 1000 --prompts 5 --json
 
+With `--tensor-parallel N` every engine runs N workers (vLLM's "mp" executor), each saving and loading its
+shard of the blocks; on a CPU with one NUMA node vLLM needs their cores named, e.g.
+`VLLM_CPU_OMP_THREADS_BIND="0|1"` for two.
+
 The model is kvcluster's tiny Llama config with random weights (vLLM's load_format="dummy", seeded, so every
 engine has the same ones) and the offline tokenizer. Each figure is the median over `--prompts` distinct random prompts, one
 request at a time, `max_tokens=1`.
@@ -15,9 +19,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,10 +44,10 @@ def model_dir(dest: Path) -> Path:
     return dest
 
 
-def _engine(model: Path, tiers: list[dict] | None):
+def _engine(model: Path, tiers: list[dict] | None, workers: int = 1):
     from vllm import LLM
 
-    kw = {}
+    kw = {} if workers == 1 else {"tensor_parallel_size": workers, "distributed_executor_backend": "mp"}
     if tiers is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVClusterConnector", "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
@@ -66,7 +72,7 @@ def _close(llm) -> None:
     gc.collect()
 
 
-def measure(tokens: int, prompts: int, work: Path) -> dict:
+def measure(tokens: int, prompts: int, work: Path, workers: int = 1) -> dict:
     model = model_dir(work / "model")
     rng = random.Random(11)
     batch = [[rng.randrange(3, 32000) for _ in range(tokens)] for _ in range(prompts)]
@@ -79,7 +85,7 @@ def measure(tokens: int, prompts: int, work: Path) -> dict:
         runs.setdefault(name, []).append(seconds)
         cached[name] = hit
 
-    llm = _engine(model, None)
+    llm = _engine(model, None, workers)
     _ttft(llm, warmup)
     for p in batch:
         record("recomputed", llm, p)
@@ -88,7 +94,7 @@ def measure(tokens: int, prompts: int, work: Path) -> dict:
 
     pfs = [{"kind": "pfs", "capacity_mib": tokens * prompts // 64 + 64, "path": str(work / "pfs")}]
     dram = [{"kind": "dram", "capacity_mib": tokens * prompts // 64 + 64}]
-    llm = _engine(model, dram)
+    llm = _engine(model, dram, workers)
     _ttft(llm, warmup)
     for p in batch:
         record("recomputed_and_saved_dram", llm, p)
@@ -97,16 +103,16 @@ def measure(tokens: int, prompts: int, work: Path) -> dict:
         record("kvcluster_dram", llm, p)
     _close(llm)
 
-    llm = _engine(model, pfs)
+    llm = _engine(model, pfs, workers)
     for p in batch:
         _ttft(llm, p)  # writes the block files
     _close(llm)
-    llm = _engine(model, pfs)  # a fresh engine: the prefix comes from the files
+    llm = _engine(model, pfs, workers)  # a fresh engine: the prefix comes from the files
     _ttft(llm, warmup)
     for p in batch:
         record("kvcluster_pfs_fresh_engine", llm, p)
     _close(llm)
-    return {"prompt_tokens": tokens, "prompts": prompts,
+    return {"prompt_tokens": tokens, "prompts": prompts, "tensor_parallel": workers,
             "ttft_p50_s": {k: round(statistics.median(v), 4) for k, v in runs.items()},
             "cached_tokens": cached}
 
@@ -115,14 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1000, help="prompt length in tokens")
     parser.add_argument("--prompts", type=int, default=5, help="distinct prompts per figure")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="workers per engine (vLLM's tensor parallel)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
-    if args.tokens < 129 or args.prompts < 1:
-        parser.error("--tokens must be > 128 (one vLLM block) and --prompts >= 1")
+    if args.tokens < 129 or args.prompts < 1 or args.tensor_parallel < 1:
+        parser.error("--tokens must be > 128 (one vLLM block), --prompts and --tensor-parallel >= 1")
+    report = None
+    if args.json:  # vLLM logs to stdout, here and in its worker processes: only the report goes there
+        sys.stdout.flush()
+        report = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     with tempfile.TemporaryDirectory(prefix="kvcluster-vllm-ttft-") as work:
-        result = measure(args.tokens, args.prompts, Path(work))
-    if args.json:
-        print(json.dumps(result))
+        result = measure(args.tokens, args.prompts, Path(work), args.tensor_parallel)
+    if report is not None:
+        sys.stdout.flush()
+        report.write(json.dumps(result) + "\n")
+        report.flush()
     else:
         for name, seconds in result["ttft_p50_s"].items():
             print(f"{name:30s} {seconds * 1000:8.1f} ms  (cached tokens {result['cached_tokens'][name]})")
