@@ -42,7 +42,8 @@ import os
 
 for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                       ("VLLM_TARGET_DEVICE", "cpu"), ("OMP_NUM_THREADS", "1")):
-    os.environ.setdefault(_name, _value)  # before torch and vLLM are imported: the connector needs "uni"
+    os.environ.setdefault(_name, _value)  # before torch and vLLM are imported: the worker in this process,
+    # where the arms' connector stores (and their counters) live
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

@@ -1,8 +1,9 @@
 """One thread drives an in-process vLLM engine; async callers get each request's outputs through a queue.
 
-vLLM's `LLMEngine` is synchronous and not thread-safe, and `KVClusterConnector` needs its scheduler and worker
-in one process (the "uni" executor). So the replica keeps the engine in its own process and lets exactly one
-thread touch it: that thread adds the requests callers submitted, aborts the ones they gave up on, and steps
+vLLM's `LLMEngine` is synchronous and not thread-safe, and the replica runs it with its worker in the same
+process (the "uni" executor), where `KVClusterConnector`'s scheduler asks the worker's store itself rather
+than following its reports a step late. So the replica keeps the engine in its own process and lets exactly
+one thread touch it: that thread adds the requests callers submitted, aborts the ones they gave up on, and steps
 the engine while any request runs, so concurrent requests batch together as in vLLM's own server. Each step's
 outputs go to the submitting caller's asyncio queue on the caller's event loop; an engine step that raises
 fails every request in flight with that error and marks the loop dead (the replica's health check then
