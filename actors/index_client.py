@@ -17,7 +17,7 @@ from typing import Sequence
 
 import ray
 
-from kvcluster.block_index import PrefixMatch, merge_prefix, split_by_shard
+from kvcluster.block_index import PrefixMatch, merge_prefix, prefix_runs, split_by_shard
 from kvcluster.index_journal import IndexFollower
 
 from .index_actor import INDEX_NAME, NAMESPACE, shard_name
@@ -76,16 +76,7 @@ class IndexClient:
         if not flat:
             return [0] * len(chains)
         positions, refs = self._asked(flat)
-        located = [False] * len(flat)
-        for owned, answers in zip(positions, ray.get(refs, timeout=timeout_s)):
-            for pos, locs in zip(owned, answers):
-                located[pos] = bool(locs)
-        runs, start = [], 0
-        for chain in chains:
-            n = next((i for i in range(len(chain)) if not located[start + i]), len(chain))
-            runs.append(n)
-            start += len(chain)
-        return runs
+        return prefix_runs([len(c) for c in chains], zip(positions, ray.get(refs, timeout=timeout_s)))
 
     async def longest_prefix_async(self, keys: Sequence[bytes]) -> PrefixMatch:
         if self.shards == 1:

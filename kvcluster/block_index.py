@@ -134,3 +134,17 @@ def merge_prefix(count: int, parts: Iterable[tuple[list[int], list[tuple[Locatio
             located[pos] = locs
     length = next((i for i, locs in enumerate(located) if not locs), count)
     return PrefixMatch(length, tuple(located[:length]))
+
+
+def prefix_runs(lengths: Sequence[int], parts: Iterable[tuple[list[int], list[tuple[Location, ...]]]]) -> list[int]:
+    """For chains of `lengths` keys asked together (flattened, chain after chain), how many leading keys of each
+    chain some tier holds, from each shard's `locate` answer for the positions it owns."""
+    located = [False] * sum(lengths)
+    for positions, answers in parts:
+        for pos, locs in zip(positions, answers):
+            located[pos] = bool(locs)
+    runs, start = [], 0
+    for n in lengths:
+        runs.append(next((i for i in range(n) if not located[start + i]), n))
+        start += n
+    return runs

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcluster.block_index import BlockIndex, PrefixMatch, merge_prefix, shard_of, split_by_shard
+from kvcluster.block_index import BlockIndex, PrefixMatch, merge_prefix, prefix_runs, shard_of, split_by_shard
 from kvcluster.index_journal import IndexFollower, IndexJournal
 from kvcluster.keys import KeySpace
 
@@ -61,6 +61,26 @@ def test_sharded_lookups_equal_one_index(ops, shards, start, stop) -> None:
                 part.lost(*loc)
     keys = KEYS[min(start, stop):max(start, stop)]
     assert sharded_prefix(parts, keys) == whole.longest_prefix(keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(operation, max_size=30), st.integers(1, 5),
+       st.lists(st.tuples(st.integers(0, len(KEYS)), st.integers(0, len(KEYS))), max_size=4))
+def test_runs_of_chains_asked_together_equal_one_lookup_each(ops, shards, spans) -> None:
+    """Tensor-parallel workers' shards of one prefix are asked in one `locate` per index shard: each chain's
+    run must be what its own longest-prefix lookup would say."""
+    whole, parts = BlockIndex(), [BlockIndex() for _ in range(shards)]
+    for op, loc, picks in ops:
+        apply(whole, op, loc, picks)
+        for s, (_, owned) in split_by_shard([KEYS[i] for i in picks], shards).items():
+            apply(parts[s], op, loc, [KEYS.index(k) for k in owned])
+        if op == "lost":
+            for part in parts:
+                part.lost(*loc)
+    chains = [KEYS[min(a, b):max(a, b)] for a, b in spans]
+    flat = [k for chain in chains for k in chain]
+    answers = ((pos, parts[s].locate(owned)) for s, (pos, owned) in split_by_shard(flat, shards).items())
+    assert prefix_runs([len(c) for c in chains], answers) == [whole.longest_prefix(c).length for c in chains]
 
 
 def _logged(index: BlockIndex, journal: IndexJournal, op: str, loc, picks: list[int]) -> None:
