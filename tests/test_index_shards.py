@@ -29,6 +29,19 @@ def apply(index: BlockIndex, op: str, loc: tuple[str, str], picks: list[int]) ->
         index.lost(*loc)
 
 
+def whole_and_shards(ops, shards: int) -> tuple[BlockIndex, list[BlockIndex]]:
+    """One index and `shards` shards of it, after the same operations (a lost node is lost on every shard)."""
+    whole, parts = BlockIndex(), [BlockIndex() for _ in range(shards)]
+    for op, loc, picks in ops:
+        apply(whole, op, loc, picks)
+        for s, (_, owned) in split_by_shard([KEYS[i] for i in picks], shards).items():
+            apply(parts[s], op, loc, [KEYS.index(k) for k in owned])
+        if op == "lost":
+            for part in parts:
+                part.lost(*loc)
+    return whole, parts
+
+
 def sharded_prefix(shards: list[BlockIndex], keys: list[bytes]) -> PrefixMatch:
     parts = split_by_shard(keys, len(shards))
     return merge_prefix(len(keys), ((pos, shards[s].locate(owned)) for s, (pos, owned) in parts.items()))
@@ -51,14 +64,7 @@ def test_every_shard_gets_a_share_of_real_keys() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(operation, max_size=30), st.integers(1, 5), st.integers(0, len(KEYS)), st.integers(0, len(KEYS)))
 def test_sharded_lookups_equal_one_index(ops, shards, start, stop) -> None:
-    whole, parts = BlockIndex(), [BlockIndex() for _ in range(shards)]
-    for op, loc, picks in ops:
-        apply(whole, op, loc, picks)
-        for s, (_, owned) in split_by_shard([KEYS[i] for i in picks], shards).items():
-            apply(parts[s], op, loc, [KEYS.index(k) for k in owned])
-        if op == "lost":
-            for part in parts:
-                part.lost(*loc)
+    whole, parts = whole_and_shards(ops, shards)
     keys = KEYS[min(start, stop):max(start, stop)]
     assert sharded_prefix(parts, keys) == whole.longest_prefix(keys)
 
@@ -69,14 +75,7 @@ def test_sharded_lookups_equal_one_index(ops, shards, start, stop) -> None:
 def test_runs_of_chains_asked_together_equal_one_lookup_each(ops, shards, spans) -> None:
     """Tensor-parallel workers' shards of one prefix are asked in one `locate` per index shard: each chain's
     run must be what its own longest-prefix lookup would say."""
-    whole, parts = BlockIndex(), [BlockIndex() for _ in range(shards)]
-    for op, loc, picks in ops:
-        apply(whole, op, loc, picks)
-        for s, (_, owned) in split_by_shard([KEYS[i] for i in picks], shards).items():
-            apply(parts[s], op, loc, [KEYS.index(k) for k in owned])
-        if op == "lost":
-            for part in parts:
-                part.lost(*loc)
+    whole, parts = whole_and_shards(ops, shards)
     chains = [KEYS[min(a, b):max(a, b)] for a, b in spans]
     flat = [k for chain in chains for k in chain]
     answers = ((pos, parts[s].locate(owned)) for s, (pos, owned) in split_by_shard(flat, shards).items())
