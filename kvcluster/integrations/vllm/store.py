@@ -175,7 +175,7 @@ def cluster_index(link: ClusterLink):
     _join_ray(link)
     try:
         return IndexClient.connect(timeout_s=link.timeout_s)
-    except ValueError as exc:
+    except (ValueError, TimeoutError) as exc:  # no index actor, or one that does not answer (Ray's GetTimeoutError)
         raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's index is not running ({exc}); start "
                           f"the cluster first (`kvcluster cluster up CONFIG`)") from None
 
