@@ -9,10 +9,15 @@ the same replay as the policies (prefix-token hit rate, one tier):
   until the session's next request (log-spaced: < 4 s, < 8 s, ... >= 256 s, never)
   instead of the features it learns from; the same machinery, fed a perfect
   "when" at session granularity.
+- `oracle-next`: Belady over request groups: every block belongs to the request
+  that used it last, and the group whose session comes back last gives up its
+  blocks first, deepest first. What a perfect session-level "when" is worth to
+  any policy, with no learning and no horizon in between.
 
-If `oracle-when` closes far more than `bayes`, the predictor's features are what
-is missing; if even it stays low, the trace's reuse cannot be told apart ahead of
-time at session granularity.
+If `oracle-next` closes far more than `bayes`, knowing when a session returns is
+what is missing; if even it stays low, the trace's reuse cannot be told apart
+ahead of time at session granularity. Where `oracle-when` falls short of
+`oracle-next`, the hazard machinery (bins, horizon) loses what the classes know.
 
     .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000]
 """
@@ -20,6 +25,7 @@ time at session granularity.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
 from collections import deque
@@ -27,7 +33,7 @@ from typing import Sequence
 
 from hit_rate import traces
 
-from kvcluster.policies.base import FAR, RequestContext
+from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
 from kvcluster.policies.bayes import BayesPolicy, _NT
 from kvcluster.policies.lru import LRUPolicy
 from kvcluster.policies.registry import POLICIES, register
@@ -80,8 +86,8 @@ class OracleWhen(BayesPolicy):
     offline = True
     gaps: list[float | None] = []  # set per trace by `main`
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, **options) -> None:
+        super().__init__(capacity, **options)
         buckets = len(WHEN_EDGES_S) + 2
         self.model = GapModel(buckets * _NT, self.model.config)
         self._queues = [deque() for _ in range(buckets * _NT)]
@@ -94,24 +100,104 @@ class OracleWhen(BayesPolicy):
         return bucket * _NT + ctx.transition
 
 
+class OracleNext(EvictionPolicy):
+    """Belady over request groups, from the true time of each session's next request."""
+
+    name = "oracle-next"
+    offline = True
+    gaps: list[float | None] = []  # set per trace by `main`
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._last: dict[int, int] = {}  # resident block -> the group of its last use
+        self._groups: dict[int, list[int]] = {}  # group -> blocks not yet popped, prefix first
+        self._heap: list[tuple[float, int]] = []  # (-time its session returns, -group): the latest first
+        self._next_group = 0
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._last
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def resident(self):
+        return list(self._last)
+
+    def prefix_hits(self, blocks: Sequence[int]) -> int:
+        n = 0
+        for block in blocks:
+            if block not in self._last:
+                break
+            n += 1
+        return n
+
+    def _group(self, blocks: Sequence[int], returns_at: float) -> list[int]:
+        gid, self._next_group = self._next_group, self._next_group + 1
+        members = []
+        for block in blocks:
+            if self._last.get(block) != gid:
+                self._last[block] = gid
+                members.append(block)
+        self._groups[gid] = members
+        heapq.heappush(self._heap, (-returns_at, -gid))
+        return self._evict()
+
+    def _evict(self) -> list[int]:
+        evicted = []
+        while len(self._last) > self.capacity:
+            gid = -self._heap[0][1]
+            members = self._groups[gid]
+            while members and len(self._last) > self.capacity:
+                block = members.pop()
+                if self._last.get(block) == gid:
+                    del self._last[block]
+                    evicted.append(block)
+            if not members:
+                heapq.heappop(self._heap)
+                del self._groups[gid]
+        return evicted
+
+    def access(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
+        gap = self.gaps[ctx.index]
+        return self._group(blocks, float("inf") if gap is None else ctx.now + gap)
+
+    def admit(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
+        """Demoted blocks: whose session they serve next is not known here, so they go first."""
+        return self._group([b for b in blocks if b not in self._last], float("inf"))
+
+    def discard(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._last.pop(block, None)
+
+    def check_integrity(self) -> None:
+        assert len(self._last) <= self.capacity
+        for block, gid in self._last.items():
+            assert block in self._groups[gid], f"resident block {block} is not in its group"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--sharegpt-records", type=int, default=1000)
+    parser.add_argument("--horizon-factor", type=float, default=None,
+                        help="horizon of `bayes` and `oracle-when` (default: `bayes`'s own)")
     args = parser.parse_args()
-    for oracle in (OracleWhether, OracleWhen):
+    learnt = {"bayes", "oracle-when"}
+    options = {} if args.horizon_factor is None else {"horizon_factor": args.horizon_factor}
+    for oracle in (OracleWhether, OracleWhen, OracleNext):
         if oracle.name not in POLICIES:
             register(oracle)
-    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "belady")
+    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "belady")
     rows = []
     for label, path, kwargs in traces(args.sharegpt_records):
         prepared = prepare(load_trace(path, **kwargs))
-        OracleWhen.gaps = next_session_gaps(prepared)
+        OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)
         for frac in FRACTIONS:
             cap = max(1, round(frac * prepared.unique_blocks))
-            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)]).hit_rate for p in policies}
+            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)],
+                               policy_options=options if p in learnt else None).hit_rate for p in policies}
             gap = rates["belady"] - rates["lru"]
-            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:4]}
+            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:5]}
             rows.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
                          "gap_closed": closed})
             if not args.json:
@@ -125,7 +211,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     if "--json" not in sys.argv:
-        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | belady "
-              "| gap closed: bayes | oracle-whether | oracle-when |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | belady "
+              "| gap closed: bayes | oracle-whether | oracle-when | oracle-next |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     sys.exit(main())
