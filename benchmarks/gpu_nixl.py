@@ -120,6 +120,7 @@ def rdma_backend_read(plan: Plan, dev: torch.Tensor, n: int, block: int, raw_rea
     result = versus(seconds, raw_read_s, n * block, ref) | {"medium": client.medium, "bytes_verified": ok}
     result["straight_into_registered_" + ("vram" if dev.is_cuda else "host_memory")] = registered_read(
         plan, client, keys, src, dev, raw_read_s)
+    result["straight_into_paged_kv_pages"] = paged_read(plan, client, keys, src, dev)
     client.close()
     pool.close()
     return result
@@ -140,6 +141,41 @@ def registered_read(plan: Plan, client, keys: list, src: torch.Tensor, dev: torc
     return versus(seconds, raw_read_s, n * block, "raw NIXL READ (above)") | {
         "bytes_verified": ok, "direct_reads": direct, "verified_on": "device" if dev.is_cuda else "host",
         "writes_from_registered_memory_ok": all(wrote), "unchanged": bool(torch.equal(back, rows))}
+
+
+def paged_read(plan: Plan, client, keys: list, src: torch.Tensor, dev: torch.Tensor) -> dict:
+    """The vLLM connector's remote load: each block straight into its pages of an engine's paged KV (one page in
+    each of PAGED_LAYERS layer tensors registered with NIXL, one descriptor per page, verified where they landed),
+    against the path it replaces: the rdma read through the staging buffer into host rows, then
+    `PagedKV.scatter` (an H2D copy on a GPU)."""
+    from kvcluster.integrations.vllm.paged_kv import PagedKV
+
+    n, block = src.shape
+    if block % PAGED_LAYERS:
+        raise Skip(f"a {block}-byte block does not split into {PAGED_LAYERS} pages")
+    page = block // PAGED_LAYERS
+    layers = [torch.zeros((2 * n, page), dtype=torch.uint8, device=dev.device) for _ in range(PAGED_LAYERS)]
+    kv = PagedKV(layers, [f"layer.{i}" for i in range(PAGED_LAYERS)], 2 * n, page)
+    for region in kv.regions:
+        client.register(region)
+    targets = list(range(1, 2 * n, 2))  # every other block, as an engine's free blocks come
+    pages = [kv.block_pages(b) for b in targets]
+    digests = client.read_segments(keys, pages)
+    ok = all(d is not None for d in digests) and torch.equal(kv.gather(targets).cpu(), src)
+    seconds = best_s(lambda: client.read_segments(keys, pages), plan.repeat)
+    rows = host_blocks(n, block)
+
+    def staged_then_scattered() -> None:  # rows outside registered memory: through the staging buffer
+        client.read_verified(keys, [rows.numpy()[i] for i in range(n)])
+        kv.scatter(targets, list(rows))
+
+    ref_s = best_s(staged_then_scattered, plan.repeat)
+    return versus(seconds, ref_s, n * block, "rdma read via staging into host rows + PagedKV.scatter") | {
+        "bytes_verified": ok, "pages_per_block": PAGED_LAYERS, "page_bytes": page,
+        "segmented_reads": client.stats()["extra"].get("segmented_reads", 0)}
+
+
+PAGED_LAYERS = 32  # pages a block is split into, one per attention layer (Llama-3.1-8B)
 
 
 def summary_nixl(s: dict) -> str:

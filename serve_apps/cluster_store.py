@@ -4,7 +4,9 @@
 rest of the prefix lives, then reads it per (node, tier): memory tiers over NIXL
 (one lookup call, then one transfer from the tier's slab into the caller's
 buffers, checksums verified here), other tiers with one `get_many` each, all in
-flight together; this node's tiers are preferred over remote ones. A
+flight together; this node's tiers are preferred over remote ones. An engine
+whose paged KV is registered here (`register`) has blocks from memory tiers
+written straight into their pages (`fetch_placed`): one transfer, no staging. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
 promoted into hbm. `store` keeps new blocks in hbm and commits the request to
 the control plane with one fire-and-forget call (its policy decides where every
@@ -18,10 +20,11 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import ray
+import torch
 
 from kvcluster.actors import metrics
 from kvcluster.actors.control_client import ControlClient
@@ -59,6 +62,7 @@ class ClusterBlockStore:
         self._no_nixl_until: dict[tuple[str, str], float] = {}
         self._control_handle = None
         self._requests = 0
+        self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
@@ -67,20 +71,39 @@ class ClusterBlockStore:
             self._actors[loc] = ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
         return self._actors[loc]
 
+    def register(self, region: torch.Tensor) -> None:
+        """Memory that blocks from memory tiers may be written straight into (an engine's paged KV tensors, host
+        or device): registered with NIXL by every reader, those open now and those opened later."""
+        self._regions.append(region)
+        for loc, reader in list(self._readers.items()):
+            try:
+                reader.register(region)
+            except StorageError as exc:  # this reader cannot land blocks there: a new one is tried later
+                log.warning("NIXL reader for %s/%s could not register the engine's memory: %s", *loc, exc)
+                self._readers.pop(loc).close()
+
     def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        return self.fetch_placed(keys, out)[0]
+
+    def fetch_placed(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None,
+                     pages: Sequence[Sequence[torch.Tensor]] | None = None) -> tuple[list[np.ndarray], set[int]]:
+        """`fetch`, where block i may also land in `pages[i]` (its pages in an engine's paged KV, in order, inside
+        `register`ed memory): blocks read from memory tiers over NIXL are written there, not into `out`. The
+        second value holds the positions of the run that are in their pages already; their payloads are still
+        returned (copied out of the pages into `out` for the promotion into hbm)."""
         local = self.hbm.fetch(keys, out)
         self.counters["hbm"] += len(local)
         self._count_hbm(len(keys), len(local))
         rest = list(keys[len(local):])
         if not rest:
-            return local
+            return local, set()
         try:
             match: PrefixMatch = self.index.longest_prefix(rest, timeout_s=self.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("index unavailable (%s): serving the hbm run only", type(exc).__name__)
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": "replica", "kind": "index_unavailable"})
-            return local
+            return local, set()
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for j in range(match.length):
             groups[self._choose(match.locations[j])].append(j)
@@ -96,11 +119,19 @@ class ClusterBlockStore:
                 self._actors.pop((node, tier), None)
                 self.counters["remote_failures"] += 1
                 metrics.faults().inc(1, {"component": f"{node}/{tier}", "kind": "actor_unavailable"})
-        for loc, reader in readers.items():  # while those are in flight: memory tiers over NIXL, into `out`
+        placed: set[int] = set()
+        for loc, reader in readers.items():  # while those are in flight: memory tiers over NIXL, into `out` or pages
             if reader is not None:
                 positions = groups[loc]
                 landing = None if out is None else [out[len(local) + j] for j in positions]
-                got.update(zip(positions, self._read_nixl(reader, loc, [rest[j] for j in positions], landing)))
+                blocks = [rest[j] for j in positions]
+                if pages is not None and self._regions:
+                    read = self._read_nixl_pages(reader, loc, blocks, [pages[len(local) + j] for j in positions],
+                                                 landing)
+                    placed.update(len(local) + j for j, payload in zip(positions, read) if payload is not None)
+                else:
+                    read = self._read_nixl(reader, loc, blocks, landing)
+                got.update(zip(positions, read))
         for loc, ref in refs.items():
             try:
                 for j, payload in zip(groups[loc], ray.get(ref, timeout=self.timeout_s)):
@@ -124,7 +155,9 @@ class ClusterBlockStore:
                 by_source[f"{node}/{tier}"] += payload.nbytes
             for src, nbytes in by_source.items():
                 metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
-        return local + run
+        placed = {i for i in placed if i < len(local) + len(run)}
+        self.counters["nixl_in_place"] += len(placed)  # served from their pages (verified blocks past the run are not)
+        return local + run, placed
 
     def remote_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` the cluster's tiers hold, per the index (0 when it cannot say)."""
@@ -147,8 +180,15 @@ class ClusterBlockStore:
             return None
         try:
             control = ActorPeerControl(self._actor(node, tier), timeout_s=self.timeout_s)
-            self._readers[loc] = RDMABackend(control, self._nixl_staging, 1,
-                                             name=f"kvc-replica-{self.node}-{node}-{tier}-{uuid.uuid4().hex[:6]}")
+            reader = RDMABackend(control, self._nixl_staging, 1,
+                                 name=f"kvc-replica-{self.node}-{node}-{tier}-{uuid.uuid4().hex[:6]}")
+            try:
+                for region in self._regions:
+                    reader.register(region)
+            except StorageError:
+                reader.close()
+                raise
+            self._readers[loc] = reader
         except (StorageError, ValueError) as exc:  # NIXL missing, or the actor is gone: the object store path
             log.warning("NIXL reader for %s/%s unavailable (%s): reading through the object store", node, tier, exc)
             self._no_nixl_until[loc] = time.monotonic() + NIXL_RETRY_S
@@ -157,22 +197,53 @@ class ClusterBlockStore:
 
     def _read_nixl(self, reader: RDMABackend, loc: tuple[str, str], keys: list[BlockKey],
                    landing: list[np.ndarray] | None) -> list[np.ndarray | None]:
-        corrupt_before = reader.stats()["corrupt"]
+        """Blocks of one memory tier into `landing` (or new arrays), through the reader's staging buffer unless
+        `landing` lies in registered memory."""
         results: list[np.ndarray | None] = [None] * len(keys)
+        digests = self._verified_read(reader, loc, len(keys),
+                                      lambda: reader.read_into(keys, landing, results, raise_unavailable=True))
+        return [r if d is not None else None for r, d in zip(results, digests)]
+
+    def _read_nixl_pages(self, reader: RDMABackend, loc: tuple[str, str], keys: list[BlockKey],
+                         pages: list[Sequence[torch.Tensor]], landing: list[np.ndarray] | None
+                         ) -> list[np.ndarray | None]:
+        """Blocks of one memory tier straight into their pages; each verified block's bytes then copied from its
+        pages into its `landing` row (or a new array), the payload that is promoted into hbm."""
+        digests = self._verified_read(reader, loc, len(keys),
+                                      lambda: reader.read_segments(keys, pages, raise_unavailable=True))
+        out: list[np.ndarray | None] = []
+        for k, digest in enumerate(digests):
+            if digest is None:
+                out.append(None)
+                continue
+            segments = [t.reshape(-1).view(torch.uint8) for t in pages[k]]
+            if segments[0].device.type != "cpu":
+                out.append(torch.cat(segments).cpu().numpy())
+                continue
+            n = sum(t.numel() for t in segments)
+            row = landing[k][:n] if landing is not None else np.empty(n, dtype=np.uint8)
+            out.append(np.concatenate([t.numpy() for t in segments], out=row))
+        return out
+
+    def _verified_read(self, reader: RDMABackend, loc: tuple[str, str], n: int,
+                       read: Callable[[], list[int | None]]) -> list[int | None]:
+        """A NIXL read's verified digests (None: a miss); a reader whose tier is gone or whose transfer failed
+        is dropped (a new one is made later) and its blocks are misses, corrupt blocks are counted as faults."""
+        corrupt_before = reader.stats()["corrupt"]
         try:
-            digests = reader.read_into(keys, landing, results, raise_unavailable=True)
+            digests = read()
         except StorageError as exc:  # the tier's actor is gone or the transfer failed: misses, a new reader later
             log.warning("NIXL read from %s/%s failed: %s", *loc, exc)
             self._readers.pop(loc, None)
             self._actors.pop(loc, None)
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
-            return [None] * len(keys)
+            return [None] * n
         corrupt = reader.stats()["corrupt"] - corrupt_before
         if corrupt:  # dropped at the tier by the reader; a miss here, recomputed
             metrics.faults().inc(corrupt, {"component": f"{loc[0]}/{loc[1]}", "kind": "corrupt"})
         self.counters["nixl_blocks"] += sum(d is not None for d in digests)
-        return [r if d is not None else None for r, d in zip(results, digests)]
+        return digests
 
     def _count_hbm(self, asked: int, hits: int) -> None:
         tags = {"node": self.node or "local", "tier": "hbm"}

@@ -64,15 +64,27 @@ def test_native_and_numpy_agree_on_any_bytes(data: bytes) -> None:
     assert copyhash.hash_bytes(data) == copyhash._hash_py(data)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=300), st.lists(st.integers(0, 300), max_size=6))
+def test_scattered_segments_hash_as_the_one_buffer_they_make(data: bytes, cuts: list[int]) -> None:
+    """A block in pieces (an engine's pages of it) has the digest of its bytes in one piece, however it is cut:
+    stripes that straddle pieces, empty pieces and pieces shorter than a stripe included."""
+    segments = np.split(np.frombuffer(data, dtype=np.uint8), sorted(min(c, len(data)) for c in cuts))
+    want = copyhash._hash_py(data)
+    assert copyhash.hash_segments(segments) == copyhash._hash_segments_py(segments) == want
+    assert copyhash.hash_segments([torch.from_numpy(s.copy()).numpy() for s in segments]) == want
+
+
 def test_the_portable_kernel_agrees_with_the_avx2_one() -> None:
     code = ("import numpy as np; from kvcluster.storage import copyhash as c; "
             "d = np.random.default_rng(5).integers(0, 256, 1_000_003, dtype=np.uint8); "
-            "print(c.KERNEL, c.hash_bytes(d), c.copy_hash(np.empty_like(d), d))")
+            "print(c.KERNEL, c.hash_bytes(d), c.copy_hash(np.empty_like(d), d), "
+            "c.hash_segments(np.split(d, [5, 4096, 500_001])))")
     env = {**os.environ, "KVCLUSTER_NATIVE_KERNEL": "base"}
-    kernel, a, b = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                  check=True).stdout.split()
+    kernel, a, b, c = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.split()
     want = copyhash._hash_py(random_bytes(1_000_003, 5))
-    assert kernel == "base" and int(a) == int(b) == want
+    assert kernel == "base" and int(a) == int(b) == int(c) == want
 
 
 @settings(max_examples=100, deadline=None)
@@ -219,11 +231,11 @@ def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
     used = []
     real = client._transfer
 
-    def recording(op, local, slots, lane=0, *where):
-        used.append((op, lane, len(local)))
+    def recording(op, pieces, lane=0, *where):
+        used.append((op, lane, len(pieces)))
         if lane == 0:
             time.sleep(0.05)  # the calling thread is slow: lane 1 surely takes a chunk of each part
-        return real(op, local, slots, lane, *where)
+        return real(op, pieces, lane, *where)
 
     monkeypatch.setattr(client, "_transfer", recording)
     assert client.put_many(list(zip(ks, data))) == [True] * 6
@@ -287,12 +299,12 @@ def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> Non
         assert client.put_many(list(zip(ks, source.numpy()))) == [True] * 4
     real = client._transfer
 
-    def second_lane_fails(what, local, slots, lane=0, *where):
+    def second_lane_fails(what, pieces, lane=0, *where):
         if what == op and lane == 0:
             time.sleep(0.2)  # lane 1 surely takes a chunk meanwhile
         if lane == 1 and what == op:
             raise StorageError(f"rdma: NIXL {what} failed (ERR)")
-        return real(what, local, slots, lane, *where)
+        return real(what, pieces, lane, *where)
 
     monkeypatch.setattr(client, "_transfer", second_lane_fails)
     if op == "WRITE":

@@ -40,6 +40,22 @@ def test_gather_rows_are_each_layers_page_in_order() -> None:
     assert kv.gather([]).shape == (0, 384)
 
 
+def test_a_blocks_pages_are_its_row_in_order_and_lie_in_the_registered_regions() -> None:
+    """What a transfer engine writes straight into: block b's pages, layer 0 first, concatenate to its gathered
+    row, and each is a view of its layer's region (the memory registered with NIXL)."""
+    layers = paged(3)
+    kv = PagedKV(layers, NAMES, BLOCKS, PAGE)
+    row = kv.gather([6])[0]
+    pages = kv.block_pages(6)
+    assert len(pages) == LAYERS and all(p.dtype == torch.uint8 and p.numel() == PAGE for p in pages)
+    assert torch.equal(torch.cat(pages), row)
+    for p, region, t in zip(pages, kv.regions, layers):
+        assert region.data_ptr() == t.data_ptr() and region.shape == (BLOCKS, PAGE)
+        assert p.data_ptr() == region[6].data_ptr()
+    with pytest.raises(IndexError, match="outside"):
+        kv.block_pages(BLOCKS)
+
+
 def test_round_trip_between_two_caches_is_exact() -> None:
     src, dst = paged(1), [torch.zeros((BLOCKS, *SHAPE), dtype=torch.bfloat16) for _ in range(LAYERS)]
     a, b = PagedKV(src, NAMES, BLOCKS, PAGE), PagedKV(dst, NAMES, BLOCKS, PAGE)

@@ -114,6 +114,41 @@ def test_rdma_takes_registered_tensors_and_refuses_unregistered_device_buffers()
         client.close()
 
 
+def test_rdma_reads_a_block_straight_into_its_scattered_pages_and_verifies_them_there() -> None:
+    """A block bound for a paged KV cache lands in its pages (one per layer, in layer tensors registered with NIXL)
+    in one transfer: the pages hold the row's slices in order; a corrupt block is a miss and is dropped at the
+    peer; a block stored with another length is a miss left there; pages outside registered memory are refused."""
+    from kvcluster.storage.rdma import NixlPeerPool, RDMABackend
+
+    layers, page = 4, BLOCK // 4
+    peer = NixlPeerPool(8, BLOCK)
+    client = RDMABackend(peer, BLOCK, 8, lanes=1)
+    try:
+        paged = [torch.zeros((6, page), dtype=torch.uint8) for _ in range(layers)]  # 6 blocks per layer
+        for layer in paged:
+            client.register(layer)
+        src, ks = blocks(3, seed=5), keys(3, "paged")
+        assert client.put_many([(k, src[i]) for i, k in enumerate(ks)]) == [True] * 3
+        targets = [5, 0, 2]
+        digests = client.read_segments(ks, [[layer[b] for layer in paged] for b in targets])
+        assert digests == [checksum(src[i]) for i in range(3)]
+        rows = src.view(torch.uint8)
+        for i, b in enumerate(targets):
+            assert all(torch.equal(paged[j][b], rows[i, j * page:(j + 1) * page]) for j in range(layers))
+        assert torch.count_nonzero(torch.stack([layer[[1, 3, 4]] for layer in paged])) == 0  # no other page
+        assert client.stats()["extra"]["segmented_reads"] == 1
+
+        peer.pool[peer.table.get(ks[1]).slot, 7] ^= 0x01  # a bit flips in the peer's memory
+        assert client.read_segments(ks, [[layer[b] for layer in paged] for b in targets])[1] is None
+        assert client.contains(ks) == [True, False, True]  # the corrupt copy was dropped there
+        three_layers = [[layer[b] for layer in paged[:3]] for b in targets]  # another layout: not this block
+        assert client.read_segments(ks, three_layers) == [None, None, None] and client.contains(ks)[0]
+        with pytest.raises(ValueError, match="registered"):
+            client.read_segments(ks[:1], [[torch.zeros(page, dtype=torch.uint8) for _ in range(layers)]])
+    finally:
+        client.close()
+
+
 def test_a_tier_that_reads_into_host_memory_fills_device_buffers_from_its_verified_copies(tmp_path) -> None:
     """A fetch into device rows (the runner's landing on a GPU) through a tier of files: the tier reads and verifies
     on the host, and the store copies into the device rows ("meta" tensors stand in for a device here)."""

@@ -81,6 +81,10 @@ def _copy_hash_py(dst, src) -> int:
     return _hash_py(data)
 
 
+def _hash_segments_py(segments) -> int:
+    return _hash_py(np.concatenate([_bytes(s) for s in segments]) if segments else b"")
+
+
 def _pread_hash_py(fd: int, dst, offset: int) -> tuple[int, int]:
     view = memoryview(dst).cast("B")
     done = 0
@@ -97,6 +101,10 @@ hash_bytes = _native.hash if _native is not None else _hash_py
 
 copy_hash = _native.copy_hash if _native is not None else _copy_hash_py
 """copy_hash(dst, src) -> digest: copies src into the start of dst, summing on the way."""
+
+hash_segments = _native.hash_segments if _native is not None else _hash_segments_py
+"""hash_segments(buffers) -> the digest of the buffers' bytes as one buffer, in order: a block that lies
+scattered (an engine's pages of it, one per layer) is verified where it landed, never gathered to be summed."""
 
 pread_hash = _native.pread_hash if _native is not None else _pread_hash_py
 """pread_hash(fd, dst, offset) -> (bytes read, digest of them); OSError on a read error."""

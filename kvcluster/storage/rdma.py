@@ -31,7 +31,7 @@ import torch
 from ..keys import BlockKey
 from .aligned import aligned_empty
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes
-from .copyhash import copy_hash, tensor_hashes
+from .copyhash import copy_hash, hash_segments, tensor_hashes
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
 
@@ -419,9 +419,13 @@ class RDMABackend(StorageBackend):
         remote = self.agent.deserialize_descs(descs)
         return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
 
-    def _transfer(self, op: str, local: list[tuple[int, int]], remote_slots: list[int], lane: int = 0,
-                  mem: str = "DRAM", device: int = 0) -> None:
-        """One NIXL transfer over lane `lane`'s agent: local (address, length) <-> remote slots.
+    def _slot(self, slot: int) -> int:
+        """Address of a peer slot in the peer's registered pool."""
+        return self._remote_base + slot * self.slot_bytes
+
+    def _transfer(self, op: str, pieces: list[tuple[int, int, int]], lane: int = 0, mem: str = "DRAM",
+                  device: int = 0) -> None:
+        """One NIXL transfer over lane `lane`'s agent: (local address, peer address, length) pieces.
 
         Any NIXL failure (the peer process restarted or left: NIXL_ERR_REMOTE_DISCONNECT, a bad
         descriptor, a transfer in ERR, no answer in 30 s) is a StorageError: the caller's misses."""
@@ -429,9 +433,8 @@ class RDMABackend(StorageBackend):
             raise StorageError("rdma: this backend was closed")
         agent = self._agents[lane]
         try:
-            local_descs = agent.get_xfer_descs([(addr, n, device) for addr, n in local], mem)
-            remote_descs = agent.get_xfer_descs(
-                [(self._remote_base + s * self.slot_bytes, n, 0) for s, (_, n) in zip(remote_slots, local)], "DRAM")
+            local_descs = agent.get_xfer_descs([(addr, n, device) for addr, _, n in pieces], mem)
+            remote_descs = agent.get_xfer_descs([(remote, n, 0) for _, remote, n in pieces], "DRAM")
             handle = agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
         except Exception as exc:  # noqa: BLE001 - NIXL's errors share no base class we could name
             raise StorageError(f"rdma: NIXL {op} could not start: {type(exc).__name__}: {exc}") from None
@@ -456,9 +459,10 @@ class RDMABackend(StorageBackend):
         """Lanes worth waking for a batch: each gets at least LANE_MIN_BYTES of it (at least one lane)."""
         return max(1, min(len(self._agents), chunks, sum(lengths) // LANE_MIN_BYTES))
 
-    def _read_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
+    def _read_lanes(self, lengths: Sequence[int], pieces: Sequence[list[tuple[int, int, int]]],
                     verify: Callable[[int], bool], mem: str = "DRAM", device: int = 0) -> list[bool]:
-        """Blocks k = 0.. read from the peer's `slots[k]` to local addresses `local[k]`; `verify(k)` per block.
+        """Blocks k = 0.. read from the peer as `pieces[k]` (local address, peer address, length: one piece for a
+        block landing whole, one per page for a block landing scattered); `verify(k)` per block.
 
         The batch moves in transfers of about CHUNK_BYTES; each lane (an agent on its own core)
         takes the next chunk when free and verifies it as it lands, while it is still in cache.
@@ -468,7 +472,7 @@ class RDMABackend(StorageBackend):
 
         def move(g: int, c: int) -> list[bool]:
             part = chunks[c]
-            self._transfer("READ", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g, mem, device)
+            self._transfer("READ", [p for k in part for p in pieces[k]], g, mem, device)
             return [verify(k) for k in part]
 
         moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
@@ -485,7 +489,7 @@ class RDMABackend(StorageBackend):
         def move(g: int, c: int) -> list[int]:
             part = chunks[c]
             digests = [digest(k) for k in part]
-            self._transfer("WRITE", [(local[k], lengths[k]) for k in part], [slots[k] for k in part], g, mem, device)
+            self._transfer("WRITE", [(local[k], self._slot(slots[k]), lengths[k]) for k in part], g, mem, device)
             return digests
 
         moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
@@ -577,15 +581,8 @@ class RDMABackend(StorageBackend):
         StorageError) instead of reading as all misses, for callers that tell a fault from a miss.
         """
         digests: list[int | None] = [None] * len(keys)
-        try:
-            entries = self.peer.lookup([bytes(k) for k in keys])
-        except PeerUnavailable:  # the peer's memory is gone or unreachable: all misses
-            self._stats.misses += len(keys)
-            if raise_unavailable:
-                raise
-            return digests
+        entries = self._lookup(keys, raise_unavailable)
         found = [i for i, e in enumerate(entries) if e is not None]
-        self._stats.misses += len(keys) - len(found)
         if not found:
             return digests
         lengths = [entries[i][1] for i in found]
@@ -605,7 +602,8 @@ class RDMABackend(StorageBackend):
 
             try:
                 mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
-                intact = self._read_lanes(sizes, local, [entries[i][0] for i in part], verify, mem, device)
+                pieces = [[(addr, self._slot(entries[i][0]), n)] for addr, i, n in zip(local, part, sizes)]
+                intact = self._read_lanes(sizes, pieces, verify, mem, device)
             except StorageError:  # peer gone between lookup and read: the rest are misses
                 self._stats.misses += len(found) - lo
                 if raise_unavailable:
@@ -618,6 +616,87 @@ class RDMABackend(StorageBackend):
                     corrupt.append(i)  # what landed in `out[i]` is not handed out: a miss
             if direct is not None:
                 self._count("direct_reads")
+        self._read_done(keys, entries, found, digests, corrupt)
+        return digests
+
+    def read_segments(self, keys: Sequence[BlockKey], segments: Sequence[Sequence[torch.Tensor]],
+                      raise_unavailable: bool = False) -> list[int | None]:
+        """Read block i straight into `segments[i]`, flat uint8 tensors its bytes fill in order (an engine's pages
+        of the block, one per layer), all inside memory registered with `register`, of one kind; verified
+        where they landed (`hash_segments` on the host, `tensor_hashes` on a device). The return is each block's
+        verified checksum, or None: missing at the peer, stored with another length than its segments (not
+        this layout: a miss, left at the peer), or corrupt (dropped at the peer too). A block that is None may
+        have left bytes in its segments: the caller treats them as garbage.
+
+        Why: a block bound for a paged KV cache would otherwise land in a staging buffer, be copied into a
+        row, then scattered into its pages: through host memory twice, and on a GPU across the bus from it.
+        One transfer with one descriptor per page writes the pages themselves."""
+        digests: list[int | None] = [None] * len(keys)
+        if len(segments) != len(keys):
+            raise ValueError(f"{self.name}: {len(segments)} segment lists for {len(keys)} blocks")
+        flat = [[_flat_bytes(t) for t in segs] for segs in segments]
+        every = [t for segs in flat for t in segs]
+        direct = self._registered(every, [t.nbytes for t in every])
+        if direct is None:
+            raise ValueError(f"{self.name}: segments must all lie in memory registered with `register`, of one kind")
+        starts = [0, *accumulate(len(segs) for segs in flat)]
+        entries = self._lookup(keys, raise_unavailable)
+        found = []
+        for i, e in enumerate(entries):
+            if e is not None and e[1] == sum(t.nbytes for t in flat[i]):
+                found.append(i)
+            elif e is not None:
+                self._stats.misses += 1
+                entries[i] = None
+        if not found:
+            return digests
+        lengths = [entries[i][1] for i in found]
+        pieces = []
+        for i in found:
+            base, offset, block = self._slot(entries[i][0]), 0, []
+            for t, addr in zip(flat[i], direct.addrs[starts[i]:starts[i + 1]]):
+                block.append((addr, base + offset, t.nbytes))
+                offset += t.nbytes
+            pieces.append(block)
+
+        def verify(k: int) -> bool:
+            segs = flat[found[k]]
+            if isinstance(segs[0], torch.Tensor) and segs[0].device.type != "cpu":
+                summed = tensor_hashes([torch.cat(segs)])[0]
+            else:
+                summed = hash_segments([t.numpy() if isinstance(t, torch.Tensor) else t for t in segs])
+            return summed == entries[found[k]][2]
+
+        try:
+            intact = self._read_lanes(lengths, pieces, verify, direct.mem, direct.device)
+        except StorageError:  # peer gone between lookup and read: all misses
+            self._stats.misses += len(found)
+            if raise_unavailable:
+                raise
+            return digests
+        corrupt = [i for i, good in zip(found, intact) if not good]
+        for i, good in zip(found, intact):
+            if good:
+                digests[i] = entries[i][2]
+        self._count("segmented_reads")
+        self._read_done(keys, entries, found, digests, corrupt)
+        return digests
+
+    def _lookup(self, keys: Sequence[BlockKey], raise_unavailable: bool) -> list:
+        """The peer's (slot, length, digest) of each key, None where it has none; all None when it is gone."""
+        try:
+            entries = self.peer.lookup([bytes(k) for k in keys])
+        except PeerUnavailable:  # the peer's memory is gone or unreachable: all misses
+            self._stats.misses += len(keys)
+            if raise_unavailable:
+                raise
+            return [None] * len(keys)
+        self._stats.misses += sum(e is None for e in entries)
+        return list(entries)
+
+    def _read_done(self, keys: Sequence[BlockKey], entries: list, found: list[int], digests: list[int | None],
+                   corrupt: list[int]) -> None:
+        """Count a read's blocks, and drop the corrupt ones at the peer (a later read must not find them)."""
         good = [i for i in found if digests[i] is not None]
         self._stats.gets += len(good)
         self._stats.get_bytes += sum(entries[i][1] for i in good)
@@ -628,7 +707,6 @@ class RDMABackend(StorageBackend):
                 self.peer.release([bytes(keys[i]) for i in corrupt])
             except PeerUnavailable:
                 pass  # the peer's memory is gone anyway
-        return digests
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         try:

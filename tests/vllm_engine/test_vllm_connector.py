@@ -208,8 +208,10 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
                                                                                         two_nodes) -> None:
     """An engine on n0 saves the prompt's blocks: the control plane places them in n0's dram tier actor. A fresh
     engine on n1 is told by the cluster's index that all 4 are held and reads them from n0's dram over NIXL,
-    giving vLLM's own output bit for bit. With n0's tier actor killed, a third engine is promised the blocks by
-    the index, cannot load them, and recomputes: the same tokens."""
+    giving vLLM's own output bit for bit, the blocks written over NIXL straight into its paged KV. A block that
+    rots in n0's memory fails its checksum in the pages it landed in: that block and the ones after it are
+    recomputed. With n0's tier actor killed, the next engine is promised the blocks by the index, cannot load
+    them, and recomputes: the same tokens."""
     import ray
 
     from kvcluster.actors.index_actor import NAMESPACE
@@ -231,7 +233,23 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     llm, shared = engine(model_dir, local, {"node": "n1"})  # nothing in its own tiers
     assert generate(llm) == warm  # the same KV bytes as vLLM's own prefix cache: same log-probabilities
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
-    assert shared.store.counters["nixl_blocks"] == 4  # straight from n0's slab
+    assert shared.store.counters["nixl_blocks"] == 4  # straight from n0's slab ...
+    assert shared.store.counters["nixl_in_place"] == 4  # ... into the engine's paged KV (registered with NIXL)
+    llm.reset_prefix_cache()
+    assert generate(llm) == warm  # now from its own dram: the blocks were promoted there as they landed
+    assert (shared.loaded_blocks, shared.store.counters["nixl_blocks"], shared.store.counters["hbm"]) == (8, 4, 4)
+    close(llm)
+
+    def flip_a_bit(tier_actor, key: bytes) -> None:  # runs inside the tier actor (nested: pickled by value)
+        tier_actor.backend.pool[tier_actor.backend.table.get(key).slot, 5] ^= 0x01
+
+    dram_n0 = ray.get_actor(actor_name("n0", "dram"), namespace=NAMESPACE)
+    ray.get(dram_n0.__ray_call__.remote(flip_a_bit, KEYS[2]))  # block 2 rots in n0's memory
+    llm, shared = engine(model_dir, local, {"node": "n1"})
+    tokens, logprobs, _ = generate(llm)
+    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
+    assert (shared.loaded_blocks, shared.failed_blocks) == (2, 2)  # its bad pages and those after: recomputed
+    assert shared.store.counters["nixl_in_place"] == 2
     close(llm)
 
     with pytest.raises(Exception, match="cluster.node: no tier actors of node 'n7' are running"):

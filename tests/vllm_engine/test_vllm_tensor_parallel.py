@@ -63,15 +63,17 @@ def tp_engine(model_dir, tiers: list[dict] | None = None, cluster: dict | None =
                     distributed_executor_backend="mp", **kw)
 
 
-def _worker_counts(worker) -> tuple[int, int, int, int]:
+def _worker_counts(worker) -> tuple[int, int, int, int, int]:
     """In a worker: (blocks loaded, failed, saved) by its connector, once its background saves are in, and the
-    blocks its cluster store read over NIXL (0 without a cluster)."""
+    blocks its cluster store read over NIXL and of those the ones written straight into the paged KV (0, 0 without
+    a cluster)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     shared = get_kv_transfer_group()._shared
     shared.wait_saved()
-    nixl = shared.store.counters["nixl_blocks"] if shared.store is not shared.local else 0
-    return shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks, nixl
+    counters = shared.store.counters if shared.store is not shared.local else {}
+    return (shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks, counters.get("nixl_blocks", 0),
+            counters.get("nixl_in_place", 0))
 
 
 def counts(llm) -> list[tuple[int, int, int]]:
@@ -136,5 +138,6 @@ def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_
 
     llm = tp_engine(model_dir, local, link | {"node": "n1"})
     assert generate(llm) == warm  # vLLM's own log-probabilities
-    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4), (4, 0, 0, 4)]
+    # each worker's 4 shards came over NIXL straight into its own paged KV
+    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4, 4), (4, 0, 0, 4, 4)]
     close(llm)

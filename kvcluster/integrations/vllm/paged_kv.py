@@ -59,6 +59,18 @@ class PagedKV:
     def layers(self) -> int:
         return len(self._pages)
 
+    @property
+    def regions(self) -> list[torch.Tensor]:
+        """Every layer's tensor as `[num_blocks, page_bytes]` bytes: the memory a transfer engine registers to
+        write blocks straight into their pages (`block_pages`)."""
+        return list(self._pages)
+
+    def block_pages(self, block_id: int) -> list[torch.Tensor]:
+        """Block `block_id`'s pages, layer 0 first: where a stored row's bytes go, in order (`scatter` writes
+        the same bytes from a row)."""
+        (b,) = self._checked([block_id])
+        return [pages[b] for pages in self._pages]
+
     def gather(self, block_ids: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks `block_ids` as host rows `[n, row_bytes]` uint8: row j is layer 0's page of block_ids[j],
         then layer 1's, ...

@@ -16,10 +16,12 @@
 uint64_t kvc_hash_base(const void *, size_t);
 uint64_t kvc_copy_hash_base(void *, const void *, size_t);
 ptrdiff_t kvc_pread_hash_base(int, void *, size_t, int64_t, uint64_t *);
+uint64_t kvc_hash_segments_base(const void *const *, const size_t *, size_t);
 #if defined(__x86_64__) && defined(__GNUC__)
 uint64_t kvc_hash_avx2(const void *, size_t);
 uint64_t kvc_copy_hash_avx2(void *, const void *, size_t);
 ptrdiff_t kvc_pread_hash_avx2(int, void *, size_t, int64_t, uint64_t *);
+uint64_t kvc_hash_segments_avx2(const void *const *, const size_t *, size_t);
 #endif
 
 typedef struct {
@@ -27,9 +29,10 @@ typedef struct {
     uint64_t (*hash)(const void *, size_t);
     uint64_t (*copy_hash)(void *, const void *, size_t);
     ptrdiff_t (*pread_hash)(int, void *, size_t, int64_t, uint64_t *);
+    uint64_t (*hash_segments)(const void *const *, const size_t *, size_t);
 } Kernel;
 
-static Kernel kernel = {"base", kvc_hash_base, kvc_copy_hash_base, kvc_pread_hash_base};
+static Kernel kernel = {"base", kvc_hash_base, kvc_copy_hash_base, kvc_pread_hash_base, kvc_hash_segments_base};
 
 static PyObject *py_hash(PyObject *self, PyObject *arg) {
     Py_buffer src;
@@ -82,10 +85,44 @@ static PyObject *py_pread_hash(PyObject *self, PyObject *args) {
     return io_result(n, digest);
 }
 
+static PyObject *py_hash_segments(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "hash_segments: expects a sequence of buffers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    const void **srcs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(void *));
+    size_t *lens = PyMem_Calloc(count ? (size_t)count : 1, sizeof(size_t));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0;
+    if (views == NULL || srcs == NULL || lens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < count; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_SIMPLE) < 0) goto done;
+        srcs[got] = views[got].buf;
+        lens[got] = (size_t)views[got].len;
+    }
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = kernel.hash_segments(srcs, lens, (size_t)count);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromUnsignedLongLong(digest);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(srcs);
+    PyMem_Free(lens);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"hash", py_hash, METH_O, "hash(src) -> the fletcher64x4 digest of src's bytes."},
     {"copy_hash", py_copy_hash, METH_VARARGS,
      "copy_hash(dst, src) -> digest: copies src into the start of dst and returns the digest of the bytes."},
+    {"hash_segments", py_hash_segments, METH_O,
+     "hash_segments(buffers) -> the digest of the buffers' bytes as if they were one buffer, in order."},
     {"pread_hash", py_pread_hash, METH_VARARGS,
      "pread_hash(fd, dst, offset) -> (bytes_read, digest of those bytes); OSError on a read error."},
     {NULL, NULL, 0, NULL},
@@ -98,7 +135,7 @@ PyMODINIT_FUNC PyInit__copyhash(void) {
     __builtin_cpu_init();
     const char *forced = getenv("KVCLUSTER_NATIVE_KERNEL");
     if (__builtin_cpu_supports("avx2") && !(forced != NULL && strcmp(forced, "base") == 0))
-        kernel = (Kernel){"avx2", kvc_hash_avx2, kvc_copy_hash_avx2, kvc_pread_hash_avx2};
+        kernel = (Kernel){"avx2", kvc_hash_avx2, kvc_copy_hash_avx2, kvc_pread_hash_avx2, kvc_hash_segments_avx2};
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", kernel.name) < 0) {

@@ -144,6 +144,38 @@ uint64_t KVC_FN(kvc_copy_hash)(void *dst, const void *src, size_t n) {
     return KVC_FN(digest)(&s, n);
 }
 
+/* The digest of `count` buffers as if they were one (srcs[i] of lens[i] bytes, in order): a block whose bytes
+ * lie scattered, such as an engine's pages of it, one per layer. A stripe may straddle two buffers. */
+uint64_t KVC_FN(kvc_hash_segments)(const void *const *srcs, const size_t *lens, size_t count) {
+    kvc_sums s = {{0}, {0}};
+    unsigned char carry[KVC_STRIPE];
+    size_t held = 0, total = 0;
+    for (size_t i = 0; i < count; i++) {
+        const unsigned char *p = (const unsigned char *)srcs[i];
+        size_t n = lens[i];
+        total += n;
+        if (held) {  /* finish the stripe the last buffer began */
+            size_t take = n < KVC_STRIPE - held ? n : KVC_STRIPE - held;
+            memcpy(carry + held, p, take);
+            held += take;
+            p += take;
+            n -= take;
+            if (held < KVC_STRIPE) continue;
+            KVC_FN(sum_stripes)(&s, NULL, carry, 1);
+            held = 0;
+        }
+        size_t whole = n / KVC_STRIPE;
+        KVC_FN(sum_stripes)(&s, NULL, p, whole);
+        held = n - whole * KVC_STRIPE;
+        memcpy(carry, p + whole * KVC_STRIPE, held);
+    }
+    if (held) {
+        memset(carry + held, 0, KVC_STRIPE - held);
+        KVC_FN(sum_stripes)(&s, NULL, carry, 1);
+    }
+    return KVC_FN(digest)(&s, total);
+}
+
 /* Reads up to n bytes at offset into dst, summing each chunk as it lands.
  * Returns the bytes read (short at end of file), or -errno. */
 ptrdiff_t KVC_FN(kvc_pread_hash)(int fd, void *dst, size_t n, int64_t offset, uint64_t *digest) {
