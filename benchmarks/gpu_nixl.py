@@ -1,4 +1,5 @@
-"""GPU check section nixl: raw NIXL UCX VRAM<->DRAM against torch copies, and the rdma backend against raw NIXL."""
+"""GPU check section nixl: raw NIXL UCX VRAM<->DRAM against torch copies, the rdma backend against raw NIXL, and
+the vLLM connector's remote load straight into paged KV pages against the staged read and a scatter."""
 
 from __future__ import annotations
 
