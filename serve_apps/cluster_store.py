@@ -63,6 +63,7 @@ class ClusterBlockStore:
         self._control_handle = None
         self._requests = 0
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
+        self._in_place: set[tuple[str, str]] = set()  # readers with every region registered
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
@@ -75,12 +76,18 @@ class ClusterBlockStore:
         """Memory that blocks from memory tiers may be written straight into (an engine's paged KV tensors, host
         or device): registered with NIXL by every reader, those open now and those opened later."""
         self._regions.append(region)
-        for loc, reader in list(self._readers.items()):
-            try:
+        for loc in list(self._in_place):
+            self._register_with(loc, self._readers[loc], [region])
+
+    def _register_with(self, loc: tuple[str, str], reader: RDMABackend, regions: list[torch.Tensor]) -> None:
+        """Register `regions` with one reader; one NIXL cannot register leaves that reader on the staged path."""
+        try:
+            for region in regions:
                 reader.register(region)
-            except StorageError as exc:  # this reader cannot land blocks there: a new one is tried later
-                log.warning("NIXL reader for %s/%s could not register the engine's memory: %s", *loc, exc)
-                self._readers.pop(loc).close()
+        except StorageError as exc:
+            log.warning("NIXL reader for %s/%s cannot land blocks in the engine's memory (%s): reading through "
+                        "its staging buffer", *loc, exc)
+            self._in_place.discard(loc)
 
     def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         return self.fetch_placed(keys, out)[0]
@@ -125,7 +132,7 @@ class ClusterBlockStore:
                 positions = groups[loc]
                 landing = None if out is None else [out[len(local) + j] for j in positions]
                 blocks = [rest[j] for j in positions]
-                if pages is not None and self._regions:
+                if pages is not None and loc in self._in_place:
                     read = self._read_nixl_pages(reader, loc, blocks, [pages[len(local) + j] for j in positions],
                                                  landing)
                     placed.update(len(local) + j for j, payload in zip(positions, read) if payload is not None)
@@ -180,19 +187,14 @@ class ClusterBlockStore:
             return None
         try:
             control = ActorPeerControl(self._actor(node, tier), timeout_s=self.timeout_s)
-            reader = RDMABackend(control, self._nixl_staging, 1,
-                                 name=f"kvc-replica-{self.node}-{node}-{tier}-{uuid.uuid4().hex[:6]}")
-            try:
-                for region in self._regions:
-                    reader.register(region)
-            except StorageError:
-                reader.close()
-                raise
-            self._readers[loc] = reader
+            self._readers[loc] = RDMABackend(control, self._nixl_staging, 1,
+                                             name=f"kvc-replica-{self.node}-{node}-{tier}-{uuid.uuid4().hex[:6]}")
         except (StorageError, ValueError) as exc:  # NIXL missing, or the actor is gone: the object store path
             log.warning("NIXL reader for %s/%s unavailable (%s): reading through the object store", node, tier, exc)
             self._no_nixl_until[loc] = time.monotonic() + NIXL_RETRY_S
             return None
+        self._in_place.add(loc)
+        self._register_with(loc, self._readers[loc], self._regions)
         return self._readers[loc]
 
     def _read_nixl(self, reader: RDMABackend, loc: tuple[str, str], keys: list[BlockKey],
@@ -235,6 +237,7 @@ class ClusterBlockStore:
         except StorageError as exc:  # the tier's actor is gone or the transfer failed: misses, a new reader later
             log.warning("NIXL read from %s/%s failed: %s", *loc, exc)
             self._readers.pop(loc, None)
+            self._in_place.discard(loc)
             self._actors.pop(loc, None)
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -198,8 +199,9 @@ def test_the_control_plane_migrates_a_block_between_nodes_over_nixl(cluster) -> 
 
 
 def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluster) -> None:
-    """The replica's fetch path (kvcluster.serve_apps.cluster_store) reads node B's dram; once B is removed its blocks
-    are misses and the fetch still returns, without an error."""
+    """The replica's fetch path (kvcluster.serve_apps.cluster_store) reads node B's dram, into rows or straight into
+    registered pages (through rows when the memory cannot be registered); once B is removed its blocks are misses
+    and the fetch still returns, without an error."""
     from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
     from kvcluster.serving.block_store import LocalBlockStore
     from kvcluster.storage import hbm_backend
@@ -224,6 +226,20 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
 
     got = fresh_store().fetch(KEYS)
     assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
+
+    # an engine's paged KV (4 layers of 8 KiB pages) registered: B's blocks land straight in their pages
+    paged = torch.zeros((4, 6, 1 << 13), dtype=torch.uint8)
+    pages = [[paged[layer, b] for layer in range(4)] for b in (5, 0, 3, 1)]
+    store = fresh_store()
+    store.register(paged)
+    got, placed = store.fetch_placed(KEYS, None, pages)
+    assert placed == {0, 1, 2, 3} and store.counters["nixl_in_place"] == 4
+    assert all(torch.equal(torch.cat(p), torch.from_numpy(d)) for p, d in zip(pages, data))
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # and the payloads promoted into hbm
+    store = fresh_store()
+    store.register(torch.empty(1 << 15, dtype=torch.uint8, device="meta"))  # memory NIXL cannot register
+    got, placed = store.fetch_placed(KEYS, None, [[torch.zeros(1 << 13, dtype=torch.uint8)] * 4] * 4)
+    assert placed == set() and all(np.array_equal(g, d) for g, d in zip(got, data))  # the staged path instead
     c.remove_node(node_b)
     store = fresh_store()
     assert store.fetch(KEYS) == []  # B's memory is gone: misses, recomputed by the replica
