@@ -25,9 +25,12 @@ def test_class_layout_round_trips() -> None:
     assert describe_class(class_of(1, 3, finish_index("tool_calls")))["finish"] == "tool call"
     assert describe_class(class_of(0, 0, 2, answer_bucket(31)))["first_answer"] == "< 32 tokens"
     assert [finish_index(f) for f in ("tool_use", "tool_calls", "end_turn", "stop", "length", "")] == [1, 1, 2, 2, 0, 0]
+    assert [finish_index("tool_use", n) for n in (0, 511, 512)] == [1, 1, 3]  # a long tool call is a finish of its own
+    assert finish_index("end_turn", 5000) == 2 and finish_index("", 5000) == 0
+    assert describe_class(class_of(1, 3, finish_index("tool_use", 600)))["finish"] == "long tool call"
     assert [answer_bucket(n) for n in (0, 1, 31, 32, 255, 256)] == [0, 1, 1, 2, 2, 3]
-    assert sorted(class_of(t, s, f, a) for t in range(4) for s in range(4) for f in range(3)
-                  for a in range(4)) == list(range(CLASSES))
+    assert sorted(class_of(t, s, f, a) for t in range(4) for s in range(4) for f in range(4)
+                  for a in range(4)) == list(range(CLASSES)) and CLASSES == 256
 
 
 def test_how_an_answer_ended_tells_a_quick_return_from_a_long_wait() -> None:
@@ -46,6 +49,26 @@ def test_how_an_answer_ended_tells_a_quick_return_from_a_long_wait() -> None:
     after_tool, after_turn = (policy.predict_within([1], ctx(i, 1, now, session="new", finish=f), 10.0)[0]
                               for f in ("tool_use", "end_turn"))
     assert after_tool > 0.9 and after_turn < 0.1
+
+
+def test_a_long_tool_call_comes_back_later_than_a_short_one() -> None:
+    # Both end in a tool call; the short call's result is back in 3 s, the long one's (a file written, a long
+    # command) after 40 s. The answer's length is what tells them apart.
+    policy = BayesPolicy(capacity=10_000, refresh_requests=1)
+    i, now = 0, 0.0
+    for k in range(60):
+        short, long = f"short{k}", f"long{k}"
+        for session, out in ((short, 100), (long, 2000)):
+            policy.access([hash((session, 0))], ctx(i, 1, now, session=session, finish="tool_use", output_tokens=out))
+            i, now = i + 1, now + 0.1
+        for session, back in ((short, 3.0), (long, 37.0)):
+            now += back
+            policy.access([hash((session, 0))], ctx(i, 1, now, session=session, finish="end_turn"))
+            i += 1
+        now += 120.0
+    quick, slow = (policy.predict_within([1], ctx(i, 1, now, session="new", finish="tool_use", output_tokens=out),
+                                         10.0)[0] for out in (100, 2000))
+    assert quick > 0.9 and slow < 0.1
 
 
 def test_a_block_that_keeps_coming_back_outlives_streams_of_one_off_blocks() -> None:

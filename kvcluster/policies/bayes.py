@@ -5,12 +5,16 @@ blocks a request uses are classed by what is known once it is served, namely the
 request's transition (first, append, fork, agent step), its session's last
 gap between requests (none yet, < 8 s, < 64 s, longer) and how its answer ended
 when the serving side knows (a tool call, whose result comes back within seconds;
-the end of a turn, which waits for a person; unknown). A session's first request
+a long tool call, of LONG_TOOL_CALL_TOKENS or more, whose tool has more to do: on
+the Claude Code traces the next request came a median 12 s after a call under 256
+tokens, 18 s after one of 256-1,023 and 52 s after a longer one; the end of a turn,
+which waits for a person; unknown). A session's first request
 has no gaps to go by, so its class also holds the length of its answer: whether a
 new conversation goes on at all depends on it (on the Mooncake trace two thirds of first
 turns with answers under 32 tokens had a follow-up, 3-6% of those over 128).
-Later requests leave it out: their session's gaps say more, and splitting them
-further thinned the counts (ShareGPT and SWE-agent lost hit rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
+Later requests leave it out but for the long tool call: their session's gaps say more,
+and splitting them all by length thinned the counts (ShareGPT and SWE-agent lost hit
+rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
 posteriors pooled across classes), counting reuses of blocks that were evicted
 too, so what it learns does not depend on what the cache kept. From it follows
 the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
@@ -55,8 +59,10 @@ from .registry import register
 _NT = len(TransitionType)
 _FIRST = int(TransitionType.FIRST)
 SESSION_BUCKETS = 4  # the session's last gap between requests: none yet, < 8 s, < 64 s, longer
-FINISHES = ("unknown", "tool call", "end of turn")  # how the request's answer ended
+FINISHES = ("unknown", "tool call", "end of turn", "long tool call")  # how the request's answer ended
 _FINISH_OF = {"tool_use": 1, "tool_calls": 1, "end_turn": 2, "stop": 2}  # Anthropic and OpenAI names
+_LONG_CALL = 3
+LONG_TOOL_CALL_TOKENS = 512  # a tool call of at least this many tokens is a long one
 ANSWER_LENGTHS = ("unknown", "< 32 tokens", "< 256 tokens", ">= 256 tokens")  # of a session's first answer
 CLASSES = SESSION_BUCKETS * _NT * len(FINISHES) * len(ANSWER_LENGTHS)
 
@@ -68,9 +74,11 @@ def session_bucket(gap_s: float | None) -> int:
     return 1 if gap_s < 8.0 else (2 if gap_s < 64.0 else 3)
 
 
-def finish_index(finish: str) -> int:
-    """Index in FINISHES of a finish reason as an API reports it (anything else: unknown)."""
-    return _FINISH_OF.get(finish, 0)
+def finish_index(finish: str, output_tokens: int = 0) -> int:
+    """Index in FINISHES of a finish reason as an API reports it (anything else: unknown), a tool call of
+    `output_tokens` >= LONG_TOOL_CALL_TOKENS being a long one."""
+    index = _FINISH_OF.get(finish, 0)
+    return _LONG_CALL if index == 1 and output_tokens >= LONG_TOOL_CALL_TOKENS else index
 
 
 def answer_bucket(output_tokens: int) -> int:
@@ -185,7 +193,7 @@ class BayesPolicy(EvictionPolicy):
         if remember and ctx.session:
             self._sessions[ctx.session] = (ctx.now, sb)
         answer = answer_bucket(ctx.output_tokens) if ctx.transition == _FIRST else 0
-        return class_of(ctx.transition, sb, _FINISH_OF.get(ctx.finish, 0), answer)
+        return class_of(ctx.transition, sb, finish_index(ctx.finish, ctx.output_tokens), answer)
 
     def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
         """P(each block is used again within `horizon_s` of this request), before `access` sees it.
