@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -123,7 +124,15 @@ def test_a_dead_tier_actor_fails_its_part_of_a_plan_without_stopping_the_rest(ow
                    for n in ("io-a", "io-b"))
     io = ActorTierIO([alive, dead], ["kvcluster/io-a/dram", "kvcluster/io-b/dram"])
     ray.get([alive.describe.remote(), dead.describe.remote()])
-    ray.kill(dead, no_restart=True)
+    ray.kill(dead, no_restart=True)  # asynchronous: wait until the actor answers no more
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(dead.describe.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        assert time.monotonic() < deadline, "the killed tier actor still answers"
+        time.sleep(0.1)
     k = block_key(1)
     data = block_payload(k, 4096)
     assert io.write({0: ([k], [data], [None]), 1: ([k], [data], [None])}) == {0: [True], 1: [False]}
