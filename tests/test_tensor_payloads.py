@@ -145,6 +145,9 @@ def test_rdma_reads_a_block_straight_into_its_scattered_pages_and_verifies_them_
         assert client.read_segments(ks, three_layers) == [None, None, None] and client.contains(ks)[0]
         with pytest.raises(ValueError, match="registered"):
             client.read_segments(ks[:1], [[torch.zeros(page, dtype=torch.uint8) for _ in range(layers)]])
+        with pytest.raises(ValueError, match="2 segment lists for 1 blocks"):
+            client.read_segments(ks[:1], three_layers[:2])
+        assert client.read_segments([], []) == []
     finally:
         client.close()
 

@@ -634,6 +634,8 @@ class RDMABackend(StorageBackend):
         digests: list[int | None] = [None] * len(keys)
         if len(segments) != len(keys):
             raise ValueError(f"{self.name}: {len(segments)} segment lists for {len(keys)} blocks")
+        if not keys:
+            return digests
         flat = [[_flat_bytes(t) for t in segs] for segs in segments]
         every = [t for segs in flat for t in segs]
         direct = self._registered(every, [t.nbytes for t in every])
