@@ -11,6 +11,10 @@ In place moves the bytes once instead of three times, but costs a descriptor per
 both on the same blocks, for pages of 8 to 256 KiB (a block of `--layers` pages), and prints in place
 against staged. The connector reads in place from `IN_PLACE_MIN_PAGE_BYTES` up.
 
+A third column reads the same blocks from another engine's paged KV lent over NIXL (`NixlRegionLender`, the
+node's hbm tier: `kvcluster.integrations.vllm.lending`) page to page, against the in-place read from a pool's
+slab: scattered on both sides instead of one.
+
     .venv/bin/python benchmarks/paged_nixl.py [--json] [--blocks 8] [--layers 8] [--repeat 9]
 """
 
@@ -23,9 +27,11 @@ import torch
 from harness import JsonOutput, best_of
 
 from kvcluster.cli import positive_int
+from kvcluster.integrations.vllm.lending import LentBlocks, page_digest
 from kvcluster.integrations.vllm.paged_kv import PagedKV
 from kvcluster.keys import KeySpace
-from kvcluster.storage.rdma import NixlPeerPool, RDMABackend, ucx_transport
+from kvcluster.storage import LentDirectory
+from kvcluster.storage.rdma import NixlPeerPool, NixlRegionLender, RDMABackend, ucx_transport
 
 PAGES_KIB = (8, 16, 32, 64, 128, 256)
 
@@ -59,13 +65,44 @@ def measure(page: int, layers: int, n: int, repeat: int) -> dict:
             t.zero_()
         in_place_s = best_of(lambda: client.read_segments(keys, pages), repeat, warmup=1)
         exact = exact_staged and torch.equal(kv.gather(targets), src)
+        for t in tensors:
+            t.zero_()
+        lent_s, exact_lent = lent_pages(src, keys, layers, page, kv, targets, repeat)
     finally:
         client.close()
         peer.close()
     nbytes = n * block
     return {"page_bytes": page, "pages_per_block": layers, "blocks": n, "batch_bytes": nbytes,
             "in_place_gbps": nbytes / in_place_s / 1e9, "staged_gbps": nbytes / staged_s / 1e9,
-            "in_place_vs_staged": staged_s / in_place_s, "bytes_exact": exact}
+            "in_place_vs_staged": staged_s / in_place_s, "lent_gbps": nbytes / lent_s / 1e9,
+            "lent_vs_in_place": in_place_s / lent_s, "bytes_exact": exact and exact_lent}
+
+
+def lent_pages(src: torch.Tensor, keys: list, layers: int, page: int, kv: PagedKV, targets: list[int],
+               repeat: int) -> tuple[float, bool]:
+    """Seconds to read the blocks from another engine's lent paged KV (every other block of it) into `kv`'s
+    `targets` pages, and whether the bytes are exact."""
+    n = len(keys)
+    owner = PagedKV([torch.zeros((2 * n, page), dtype=torch.uint8) for _ in range(layers)],
+                    [f"layer.{i}" for i in range(layers)], 2 * n, page)
+    owner_blocks = list(range(0, 2 * n, 2))
+    owner.scatter(owner_blocks, list(src))
+    lender = NixlRegionLender(owner.regions)
+    directory = LentDirectory(lender.metadata, lender.descs, owner.row_bytes, lender.name)
+    lent = LentBlocks()
+    for key, b in zip(keys, owner_blocks):
+        lent.lend(key, b, owner.row_bytes, page_digest(owner.block_pages(b)))
+    directory.update(*lent.drain())
+    reader = RDMABackend(directory, owner.row_bytes, 2 * n, lanes=1)
+    try:
+        for region in kv.regions:
+            reader.register(region)
+        pages = [kv.block_pages(b) for b in targets]
+        seconds = best_of(lambda: reader.read_segments(keys, pages), repeat, warmup=1)
+        return seconds, torch.equal(kv.gather(targets), src)
+    finally:
+        reader.close()
+        lender.close()
 
 
 def main() -> int:
@@ -83,12 +120,13 @@ def main() -> int:
         return 0
     print(f"NIXL UCX over {transport}{' (no RDMA NIC: a stand-in)' if emulated else ''}; "
           f"{args.blocks} blocks of {args.layers} pages a read")
-    print("| page | block | in place GB/s | staged + scatter GB/s | in place / staged | exact |")
-    print("|---|---|---|---|---|---|")
+    print("| page | block | in place GB/s | staged + scatter GB/s | in place / staged | from lent pages GB/s | "
+          "lent / in place | exact |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['page_bytes'] >> 10} KiB | {r['page_bytes'] * r['pages_per_block'] >> 10} KiB | "
               f"{r['in_place_gbps']:.2f} | {r['staged_gbps']:.2f} | {r['in_place_vs_staged']:.2f}x | "
-              f"{r['bytes_exact']} |")
+              f"{r['lent_gbps']:.2f} | {r['lent_vs_in_place']:.2f}x | {r['bytes_exact']} |")
     return 0
 
 

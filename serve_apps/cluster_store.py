@@ -6,7 +6,9 @@ rest of the prefix lives, then reads it per (node, tier): memory tiers over NIXL
 buffers, checksums verified here), other tiers with one `get_many` each, all in
 flight together; this node's tiers are preferred over remote ones. An engine
 whose paged KV is registered here (`register`) has blocks from memory tiers
-written straight into their pages (`fetch_placed`): one transfer, no staging. A
+written straight into their pages (`fetch_placed`): one transfer, no staging. An
+engine that lends its paged KV as its node's hbm tier (`kvcluster.integrations.vllm.lending`) is read the
+same way, from its pages; a store never reads its own engine's. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
 promoted into hbm. `store` keeps new blocks in hbm and commits the request to
 the control plane with one fire-and-forget call (its policy decides where every
@@ -30,6 +32,7 @@ from kvcluster.actors import metrics
 from kvcluster.actors.control_client import ControlClient
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient, LocalIndex
+from kvcluster.actors.lent_pages_actor import LENT_TIER
 from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
@@ -64,6 +67,7 @@ class ClusterBlockStore:
         self._requests = 0
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
         self._in_place: set[tuple[str, str]] = set()  # readers with every region registered
+        self.lends = False  # this store's engine lends its paged KV as (node, LENT_TIER): never read from here
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
@@ -111,6 +115,7 @@ class ClusterBlockStore:
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": "replica", "kind": "index_unavailable"})
             return local, set()
+        match = self._readable(match)
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for j in range(match.length):
             groups[self._choose(match.locations[j])].append(j)
@@ -118,7 +123,7 @@ class ClusterBlockStore:
         refs = {}
         readers = {loc: self._reader(*loc) for loc in groups}
         for (node, tier), positions in groups.items():
-            if readers[(node, tier)] is not None:
+            if readers[(node, tier)] is not None or tier == LENT_TIER:  # lent pages are read over NIXL or missed
                 continue
             try:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
@@ -153,7 +158,8 @@ class ClusterBlockStore:
             if payload is None:
                 break
             run.append(payload)
-            self.counters[self._choose(match.locations[j])[1]] += 1
+            tier = self._choose(match.locations[j])[1]
+            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1  # "hbm" counts this store's own hits
         if run:
             self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
             by_source: dict[str, int] = defaultdict(int)
@@ -171,15 +177,29 @@ class ClusterBlockStore:
         if not keys:
             return 0
         try:
-            return self.index.longest_prefix(list(keys), timeout_s=self.timeout_s).length
+            return self._readable(self.index.longest_prefix(list(keys), timeout_s=self.timeout_s)).length
         except (ray.exceptions.RayError, TimeoutError):
             self.counters["remote_failures"] += 1
             return 0
 
+    def _readable(self, match: PrefixMatch) -> PrefixMatch:
+        """`match` without this store's own engine's lent pages (it would read its own memory over NIXL; its
+        engine's prefix cache answers first), cut before the first block left with no copy."""
+        if not self.lends:
+            return match
+        mine = (self.node, LENT_TIER)
+        locations = []
+        for locs in match.locations:
+            usable = tuple(loc for loc in locs if tuple(loc) != mine)
+            if not usable:
+                break
+            locations.append(usable)
+        return PrefixMatch(len(locations), tuple(locations))
+
     def _reader(self, node: str, tier: str) -> RDMABackend | None:
         """A NIXL reader of that memory tier's slab (metadata exchanged once), or None: use the object store."""
         loc = (node, tier)
-        if self._nixl_staging is None or tier not in NIXL_TIERS:
+        if self._nixl_staging is None or (tier not in NIXL_TIERS and tier != LENT_TIER):
             return None
         if loc in self._readers:
             return self._readers[loc]

@@ -5,9 +5,11 @@ from .layout import BlockLayout, layout_for
 from .memory import MemoryPoolBackend, cxl_backend, dram_backend, hbm_backend
 from .nvme import NVMeBackend
 from .pfs import PFSBackend
-from .rdma import NixlPeerPool, RDMABackend
+from .lent import LentDirectory
+from .rdma import NixlPeerPool, NixlRegionLender, RDMABackend
 
 __all__ = [
-    "BlockLayout", "MemoryPoolBackend", "NVMeBackend", "NixlPeerPool", "PFSBackend", "RDMABackend",
+    "BlockLayout", "LentDirectory", "MemoryPoolBackend", "NVMeBackend", "NixlPeerPool", "NixlRegionLender",
+    "PFSBackend", "RDMABackend",
     "StorageBackend", "StorageError", "checksum", "cxl_backend", "dram_backend", "hbm_backend", "layout_for",
 ]

@@ -262,6 +262,32 @@ class NixlPeerPool:
         _OPEN.discard(self)
 
 
+class NixlRegionLender:
+    """Memory someone else fills and frees (an engine's paged KV, host or device), registered with a NIXL agent of
+    its own so other nodes read it in place; what lies where, and whether it is still valid, is kept elsewhere
+    (`kvcluster.storage.lent.LentDirectory`, served by a control actor). Reads need nothing from this process
+    but the registration: NIXL reads are one-sided."""
+
+    def __init__(self, regions: Sequence[torch.Tensor], name: str | None = None) -> None:
+        if not regions or len({(t.device.type, t.device.index) for t in regions}) > 1 \
+                or not all(t.is_contiguous() for t in regions):
+            raise StorageError("rdma: lent regions must be contiguous tensors, at least one, all on one device")
+        self.agent = _agent(name or f"kvc-lend-{uuid.uuid4().hex[:8]}")
+        self.regions = list(regions)  # kept alive while registered
+        for region in self.regions:
+            self.agent.register_memory(region)
+        _OPEN.add(self)
+        self.name = self.agent.name
+        self.metadata = self.agent.get_agent_metadata()
+        self.descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(self.regions))
+
+    def close(self) -> None:
+        """Destroy the agent (idempotent): the memory stops being readable before its owner frees it."""
+        agent, self.agent = self.agent, None
+        del agent
+        _OPEN.discard(self)
+
+
 def _groups(lengths: Sequence[int], target: int) -> list[range]:
     """Consecutive index ranges of about `target` bytes each (at least one block each)."""
     groups, start, used = [], 0, 0
@@ -309,6 +335,49 @@ def _sum(view: np.ndarray | torch.Tensor) -> int:
     return tensor_hashes([view])[0] if isinstance(view, torch.Tensor) else checksum(view)
 
 
+@dataclass(frozen=True)
+class _Plane:
+    """One registered region of a peer: slot s's piece of it starts at `base + s * stride`, `stride` bytes long."""
+
+    base: int
+    stride: int
+
+
+def _planes(remote, slot_bytes: int) -> tuple[list[_Plane], tuple[str, int]]:
+    """A peer's registered regions (NIXL descriptors) as planes of its slots, and their memory kind and device.
+
+    A pool lends one region, slot after slot. An engine lends its paged KV: a region per layer, block b's page
+    of each layer at `base + b * page`, a block being its pages in layer order. Either way a region of R bytes
+    holds one piece of each of the peer's slots, so with N slots in all (total bytes / `slot_bytes`) its
+    pieces are R / N bytes apart, and the pieces of one slot add up to `slot_bytes`."""
+    count = remote.descCount() if hasattr(remote, "descCount") else 1
+    regions = [(int(remote[i][0]), int(remote[i][1]), int(remote[i][2])) for i in range(count)]
+    slots = sum(n for _, n, _ in regions) // slot_bytes if slot_bytes > 0 else 0
+    if not regions or slots < 1 or any(n % slots for _, n, _ in regions) \
+            or sum(n // slots for _, n, _ in regions) != slot_bytes or len({d for *_, d in regions}) > 1:
+        raise StorageError(f"rdma: the peer's regions {[(hex(a), n) for a, n, _ in regions]} do not hold whole "
+                           f"{slot_bytes}-byte slots on one device")
+    kind = remote.getType() if hasattr(remote, "getType") else None
+    mem = "VRAM" if "VRAM" in str(kind) else "DRAM"
+    return [_Plane(base, n // slots) for base, n, _ in regions], (mem, regions[0][2])
+
+
+def _paired(local: list[tuple[int, int]], peer: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(local, peer, length) pieces moving the bytes of `local` segments to or from `peer` segments in order:
+    cut wherever either side's segment ends (the two cover the same number of bytes)."""
+    pieces, i, j, di, dj = [], 0, 0, 0, 0
+    while i < len(local) and j < len(peer):
+        n = min(local[i][1] - di, peer[j][1] - dj)
+        if n > 0:
+            pieces.append((local[i][0] + di, peer[j][0] + dj, n))
+        di, dj = di + n, dj + n
+        if di == local[i][1]:
+            i, di = i + 1, 0
+        if dj == peer[j][1]:
+            j, dj = j + 1, 0
+    return pieces
+
+
 class RDMABackend(StorageBackend):
     """A peer's pool as a tier of this node (client side)."""
 
@@ -334,7 +403,7 @@ class RDMABackend(StorageBackend):
         if staging_bytes < self.slot_bytes:
             raise StorageError(f"rdma: a {staging_bytes}-byte staging buffer cannot hold one "
                                f"{self.slot_bytes}-byte block of {self.peer_name}")
-        self._remote_base = self._remote_address(descs)
+        self._planes, self._peer_mem = _planes(self.agent.deserialize_descs(descs), self.slot_bytes)
         self._slots = slots
         self._regions: list[_Region] = []  # memory registered here (host or device)
         transport, self.emulated = ucx_transport()
@@ -415,13 +484,21 @@ class RDMABackend(StorageBackend):
                              f"(NIXL VRAM); got {device[0].device} tensors outside it")
         return flat
 
-    def _remote_address(self, descs: bytes) -> int:
-        remote = self.agent.deserialize_descs(descs)
-        return int(remote[0][0]) if hasattr(remote, "__getitem__") else 0
+    def _peer_pieces(self, slot: int, length: int) -> list[tuple[int, int]]:
+        """The first `length` bytes of peer slot `slot` as (peer address, length) pieces: one piece in a pool's
+        slab, a page per plane in an engine's paged KV."""
+        pieces = []
+        for plane in self._planes:
+            if length <= 0:
+                break
+            n = min(length, plane.stride)
+            pieces.append((plane.base + slot * plane.stride, n))
+            length -= n
+        return pieces
 
-    def _slot(self, slot: int) -> int:
-        """Address of a peer slot in the peer's registered pool."""
-        return self._remote_base + slot * self.slot_bytes
+    def _pieces(self, local: Sequence[tuple[int, int]], slot: int) -> list[tuple[int, int, int]]:
+        """(local address, peer address, length) pieces moving local segments to or from peer slot `slot`."""
+        return _paired(list(local), self._peer_pieces(slot, sum(n for _, n in local)))
 
     def _transfer(self, op: str, pieces: list[tuple[int, int, int]], lane: int = 0, mem: str = "DRAM",
                   device: int = 0) -> None:
@@ -434,7 +511,8 @@ class RDMABackend(StorageBackend):
         agent = self._agents[lane]
         try:
             local_descs = agent.get_xfer_descs([(addr, n, device) for addr, _, n in pieces], mem)
-            remote_descs = agent.get_xfer_descs([(remote, n, 0) for _, remote, n in pieces], "DRAM")
+            remote_descs = agent.get_xfer_descs([(remote, n, self._peer_mem[1]) for _, remote, n in pieces],
+                                                self._peer_mem[0])
             handle = agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
         except Exception as exc:  # noqa: BLE001 - NIXL's errors share no base class we could name
             raise StorageError(f"rdma: NIXL {op} could not start: {type(exc).__name__}: {exc}") from None
@@ -489,7 +567,8 @@ class RDMABackend(StorageBackend):
         def move(g: int, c: int) -> list[int]:
             part = chunks[c]
             digests = [digest(k) for k in part]
-            self._transfer("WRITE", [(local[k], self._slot(slots[k]), lengths[k]) for k in part], g, mem, device)
+            self._transfer("WRITE", [p for k in part for p in self._pieces([(local[k], lengths[k])], slots[k])], g,
+                           mem, device)
             return digests
 
         moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
@@ -602,7 +681,7 @@ class RDMABackend(StorageBackend):
 
             try:
                 mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
-                pieces = [[(addr, self._slot(entries[i][0]), n)] for addr, i, n in zip(local, part, sizes)]
+                pieces = [self._pieces([(addr, n)], entries[i][0]) for addr, i, n in zip(local, part, sizes)]
                 intact = self._read_lanes(sizes, pieces, verify, mem, device)
             except StorageError:  # peer gone between lookup and read: the rest are misses
                 self._stats.misses += len(found) - lo
@@ -653,13 +732,8 @@ class RDMABackend(StorageBackend):
         if not found:
             return digests
         lengths = [entries[i][1] for i in found]
-        pieces = []
-        for i in found:
-            base, offset, block = self._slot(entries[i][0]), 0, []
-            for t, addr in zip(flat[i], direct.addrs[starts[i]:starts[i + 1]]):
-                block.append((addr, base + offset, t.nbytes))
-                offset += t.nbytes
-            pieces.append(block)
+        pieces = [self._pieces([(addr, t.nbytes) for t, addr in zip(flat[i], direct.addrs[starts[i]:starts[i + 1]])],
+                               entries[i][0]) for i in found]
 
         def verify(k: int) -> bool:
             segs = flat[found[k]]
@@ -734,4 +808,4 @@ class RDMABackend(StorageBackend):
                 "lanes": len(self._agents), "capacity_bytes": self.capacity_bytes, **self._stats.__dict__}
 
     def check_integrity(self) -> None:
-        assert self.staging.numel() > 0 and self._remote_base > 0
+        assert self.staging.numel() > 0 and self._planes and all(p.base > 0 for p in self._planes)

@@ -72,10 +72,10 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
     return llm, (new[0] if new else None)
 
 
-def generate(llm) -> tuple[list[int], list[float], int]:
+def generate(llm, prompt: list[int] = PROMPT) -> tuple[list[int], list[float], int]:
     """Greedy tokens, their log-probabilities and the prompt tokens the engine did not compute."""
     params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     tokens = list(out.outputs[0].token_ids)
     return tokens, [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)], out.num_cached_tokens
 
@@ -202,6 +202,87 @@ def two_nodes():
             down(cfg)
             ray.shutdown()
             c.shutdown()
+
+
+class LendingEngine:
+    """A vLLM engine with the kvcluster connector in a Ray actor of its own (one engine per process: vLLM keeps
+    its connector in a process global), on the node it joins the cluster as."""
+
+    def __init__(self, model_dir: str, node: str) -> None:
+        extra = {"tiers": [{"kind": "dram", "capacity_mib": 8}], "model_fingerprint": FINGERPRINT,
+                 "cluster": {"node": node}}
+        self.llm = vllm.LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                            enable_prefix_caching=True, max_model_len=2048, kv_transfer_config={
+                                "kv_connector": "KVClusterConnector",
+                                "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
+                                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                "kv_connector_extra_config": extra})
+        (self.shared,) = engine_stores().values()
+
+    def generate(self, prompt: list[int]) -> tuple[list[int], list[float], int]:
+        return generate(self.llm, prompt)
+
+    def lent_blocks(self, keys: list) -> list[int | None]:
+        return [self.shared.lending.blocks.block_of(k) for k in keys]
+
+    def flip_a_bit(self, key) -> None:
+        """One bit of the block's pages rots (its second layer's page, byte 5)."""
+        self.shared.lending.paged.block_pages(self.shared.lending.blocks.block_of(key))[1][5] ^= 0x01
+
+    def close(self) -> None:
+        close(self.llm)
+
+
+def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_from_its_pages(model_dir,
+                                                                                             two_nodes) -> None:
+    """An engine on n0 lends its paged KV: the index finds the prompt's 4 blocks at (n0, hbm), and an engine
+    on n1 reads them over NIXL from n0's pages into its own (chosen over n0's dram copy: hbm is faster), giving
+    the output of n0's own prefix cache bit for bit. A bit flipped in n0's pages fails its checksum at n1: that
+    block and the ones after it are recomputed. Once the n0 engine shuts down the index forgets its pages and
+    the next engine reads n0's dram."""
+    import ray
+
+    from kvcluster.actors.index_client import IndexClient
+
+    prompt = [random.Random(11).randrange(3, 32000) for _ in range(4 * BLOCK + 40)]
+    keys = KeySpace(model=FINGERPRINT).chain_token_ids(prompt, BLOCK)
+    env = {k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
+                                      "VLLM_TARGET_DEVICE") if k in os.environ}
+    lender = ray.remote(LendingEngine).options(num_cpus=0, resources={"n0": 0.1}, runtime_env={"env_vars": env}) \
+        .remote(str(model_dir), "n0")
+    cold = ray.get(lender.generate.remote(prompt), timeout=240)
+    warm = ray.get(lender.generate.remote(prompt))  # from n0's own prefix cache: the reference for its pages
+    assert cold[2] == 0 and warm[2] == 4 * BLOCK
+    assert None not in ray.get(lender.lent_blocks.remote(keys))
+    index = IndexClient.connect()
+    deadline = time.monotonic() + 30
+    while index.longest_prefix(keys).length < 4 \
+            or not all(("n0", "hbm") in locs for locs in index.longest_prefix(keys).locations):
+        assert time.monotonic() < deadline, "the index never learned of n0's lent pages"  # reported per step
+        time.sleep(0.2)
+
+    local = [{"kind": "dram", "capacity_mib": 8}]
+    llm, shared = engine(model_dir, local, {"node": "n1"})
+    assert generate(llm, prompt) == warm
+    assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
+    assert (shared.store.counters["lent_pages"], shared.store.counters["nixl_in_place"]) == (4, 4)
+    close(llm)
+
+    ray.get(lender.flip_a_bit.remote(keys[2]))  # block 2 rots in n0's pages
+    llm, shared = engine(model_dir, local, {"node": "n1"})
+    tokens, logprobs, _ = generate(llm, prompt)
+    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
+    assert (shared.loaded_blocks, shared.failed_blocks, shared.store.counters["lent_pages"]) == (2, 2, 2)
+    close(llm)
+
+    ray.get(lender.close.remote())  # retires its pages: the index forgets them before shutdown returns
+    ray.kill(lender)
+    assert all(("n0", "hbm") not in locs for locs in index.longest_prefix(keys).locations)
+    llm, shared = engine(model_dir, local, {"node": "n1"})
+    tokens, logprobs, _ = generate(llm, prompt)
+    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
+    assert (shared.loaded_blocks, shared.store.counters["lent_pages"], shared.store.counters["dram"]) == (4, 0, 4)
+    close(llm)
 
 
 def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_recomputed(model_dir, reference,

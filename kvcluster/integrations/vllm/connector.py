@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace, shard_key
 from .holdings import RankReport, WorkerHoldings
+from .lending import PagedKVLending
 from .paged_kv import PagedKV
 from .store import EngineStore, cluster_index, files_held, for_rank, parse_config, release_store, shared_store
 
@@ -85,6 +86,7 @@ class BlockTransfer:
 class KVClusterMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)  # blocks this step's forward writes into (lending only)
 
 
 @dataclass
@@ -152,7 +154,6 @@ class KVClusterConnector(KVConnectorBase_V1):
             for rank in range(self._workers):  # block files a fresh worker will adopt: promised before it reports
                 files = files_held(for_rank(config, rank, self._workers))
                 self._holdings.seed(rank, [shard_key(k, rank, self._workers) for k in files])
-            self._cluster = config.cluster
             self._index = None if config.cluster is None else cluster_index(config.cluster)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -161,6 +162,8 @@ class KVClusterConnector(KVConnectorBase_V1):
             self._store_name = f"{self._engine}/tp{self._rank}"
             self._shared = shared_store(self._store_name, for_rank(config, self._rank, self._workers), block_bytes)
         self._store = self._shared.store if self._shared is not None else None
+        self._cluster = config.cluster
+        self._lend = config.cluster is not None and config.cluster.lend_paged_kv and self._workers == 1
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
@@ -173,6 +176,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         self._loading: dict[str, tuple[BlockTransfer, Future]] = {}  # async loads in flight, by request
         self._paged: PagedKV | None = None  # vLLM's paged KV tensors, once registered
         self._in_place = False  # remote blocks read over NIXL straight into the paged KV (register_kv_caches)
+        self._lending: PagedKVLending | None = None  # the paged KV lent as the node's hbm tier (register_kv_caches)
         self._load_errors: set[int] = set()  # reported to vLLM (which may ask before or after the save)
         self._failed_this_step: set[int] = set()  # vLLM blocks whose load failed in this step: never saved
 
@@ -256,6 +260,9 @@ class KVClusterConnector(KVConnectorBase_V1):
             tracked = self._tracked.get(req_id)
             if tracked is None or req_id not in computed:
                 continue
+            if self._lend:  # the blocks the forward writes into stop holding what they held
+                first, end = computed[req_id] // self._block_size, -(-(computed[req_id] + scheduled) // self._block_size)
+                meta.written.extend(self._kv_cache_manager.get_block_ids(req_id)[0][first:end])
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             full = (computed[req_id] + scheduled - drafts) // self._block_size  # blocks complete after this step
             if full <= tracked.saved:
@@ -317,6 +324,10 @@ class KVClusterConnector(KVConnectorBase_V1):
         if self._in_place:
             for region in self._paged.regions:
                 self._store.register(region)
+        if self._lend and hasattr(self._store, "fetch_placed"):
+            self._lending = PagedKVLending.start(self._paged, self._cluster.node, self._cluster.timeout_s)
+            self._store.lends = self._lending is not None
+            self._shared.lending = self._lending
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Sync loads land before the forward; async ones are read from the tiers on the loader thread, into
@@ -324,6 +335,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
         self._failed_this_step = set()
+        if self._lending is not None:
+            self._lending.written(meta.written + [b for load in meta.loads for b in load.block_ids])
         for load in meta.loads:
             if self._loader is not None:
                 self._loading[load.req_id] = (load, self._loader.submit(self._read, load))
@@ -360,6 +373,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         if rest:
             self._paged.scatter([load.block_ids[j] for j in rest], [payloads[j] for j in rest])
         self._shared.loaded_blocks += n
+        if self._lending is not None:
+            self._lending.lend(load.keys[:n], load.block_ids[:n])
         if n < len(load.keys):
             self._shared.failed_blocks += len(load.keys) - n
             self._load_errors.update(load.block_ids[n:])
@@ -399,11 +414,15 @@ class KVClusterConnector(KVConnectorBase_V1):
             todo = []
             keys = self._stored(save.keys)
             held = self._shared.local.holds(keys)
+            complete = 0
             for key, block_id, here in zip(keys, save.block_ids, held):
                 if block_id in self._failed_this_step:  # its bytes are not this key's: recomputed next step
                     break
+                complete += 1
                 if not here:
                     todo.append((key, block_id))
+            if self._lending is not None:
+                self._lending.lend(save.keys[:complete], save.block_ids[:complete])
             if todo:
                 ids, keys = [b for _, b in todo], [k for k, _ in todo]
                 if self._saver is None:
@@ -419,6 +438,8 @@ class KVClusterConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> "KVClusterWorkerMetadata | None":
         """A worker in a process of its own tells the scheduler which blocks entered and left its tiers (all it
         holds, the first time)."""
+        if self._lending is not None:  # the step's lent blocks, in one call: this is its last hook
+            self._lending.flush()
         if self._in_process or self._shared is None:
             return None
         entered, left, full = self._shared.local.residency_changes()
@@ -436,6 +457,9 @@ class KVClusterConnector(KVConnectorBase_V1):
         for pool in (self._loader, self._saver):
             if pool is not None:
                 pool.shutdown(wait=True)
+        if self._lending is not None:
+            self._lending.close(self._cluster.timeout_s)
+            self._lending = None
         if self._shared is not None:
             release_store(self._store_name)
 

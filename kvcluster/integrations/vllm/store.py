@@ -60,6 +60,9 @@ class ClusterLink(BaseModel):
                                                      "is a miss")
     nixl_staging_mib: float | None = Field(32.0, gt=0, description="staging buffer of NIXL reads from memory "
                                                                    "tiers; null reads them through Ray's object store")
+    lend_paged_kv: bool = Field(True, description="lend this engine's paged KV as the node's hbm tier: other "
+                                                  "nodes read its blocks straight from its pages over NIXL (one "
+                                                  "engine per node, one worker; see `lending.py`)")
 
 
 class ConnectorConfig(BaseModel):
@@ -226,6 +229,7 @@ class EngineStore:
     failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
     saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
     saving: list = field(default_factory=list)  # Futures of background stores (`async_saves`)
+    lending: object = None  # `PagedKVLending` when the engine lends its paged KV as its node's hbm tier
 
     def wait_saved(self, timeout_s: float | None = None) -> None:
         """Block until every background store handed over so far is in the tiers (or failed and logged)."""

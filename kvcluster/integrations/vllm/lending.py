@@ -1,0 +1,162 @@
+"""vLLM's paged KV as its node's hbm tier: the blocks in an engine's pages, lent to other nodes over NIXL.
+
+On a kvcluster cluster the engine's pages are the fastest copy of every block it computed or loaded, and
+they stay valid until vLLM rewrites them. So the connector lends them: the pages are registered with a NIXL
+agent of this process (`NixlRegionLender`), a control actor on this node (`LentPagesActor`, named like a tier
+actor: `kvcluster/<node>/hbm`) keeps the directory of which block is in which pages and tells the index,
+and a reader on another node reads a block straight from these pages into its own (no host copy here, on a
+GPU no bounce through host memory at all).
+
+What the pages hold is followed exactly, from what the scheduler tells the worker each step (`LentBlocks`):
+a block enters when its pages are complete (a saved block after the forward that computed it, a loaded
+block once in place) and leaves when vLLM writes into its pages again (every block a step's forward or a
+load writes). The directory learns of both with one fire-and-forget call per step, so it trails the
+pages by up to a step; a reader that reads pages being rewritten finds a wrong digest, a miss. The digest
+of each lent block is taken from its pages when it enters.
+
+One engine per node lends (its actor's name is the node's); a second one on the node reads from the cluster
+like any other but lends nothing. With tensor parallelism each worker holds a shard of every block, so
+nothing is lent either.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from ...keys import BlockKey
+from ...storage import NixlRegionLender, StorageError
+from ...storage.copyhash import hash_segments, tensor_hashes
+from .paged_kv import PagedKV
+
+log = logging.getLogger(__name__)
+
+
+class LentBlocks:
+    """Which key each lent vLLM block holds, and what changed since the last `drain` (pure bookkeeping).
+
+    A key is lent from one block at a time (its latest); a block lends one key."""
+
+    def __init__(self) -> None:
+        self._key_of: dict[int, BlockKey] = {}  # block id -> key its pages hold
+        self._block_of: dict[BlockKey, int] = {}  # key -> the block it is lent from
+        self._entered: dict[BlockKey, tuple[int, int, int]] = {}  # since the last drain: key -> (block, length, digest)
+        self._left: set[BlockKey] = set()  # since the last drain: keys no longer lent from where they were
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def block_of(self, key: BlockKey) -> int | None:
+        return self._block_of.get(key)
+
+    def lend(self, key: BlockKey, block_id: int, length: int, digest: int) -> None:
+        """Block `block_id`'s pages hold `key` now (complete): lent from here, in place of where it was."""
+        self._drop_block(block_id)
+        old = self._block_of.get(key)
+        if old is not None:
+            del self._key_of[old]
+            self._left.add(key)
+        self._key_of[block_id], self._block_of[key] = key, block_id
+        self._entered[key] = (block_id, length, digest)
+
+    def written(self, block_ids: Sequence[int]) -> None:
+        """vLLM writes these blocks' pages (a forward, a load): whatever they held is lent no more."""
+        for b in block_ids:
+            self._drop_block(b)
+
+    def _drop_block(self, block_id: int) -> None:
+        key = self._key_of.pop(block_id, None)
+        if key is not None:
+            del self._block_of[key]
+            self._entered.pop(key, None)
+            self._left.add(key)
+
+    def drain(self) -> tuple[list[tuple[bytes, int, int, int]], list[bytes]]:
+        """The changes since the last drain, as `LentDirectory.update` applies them (left first, then entered)."""
+        entered = [(bytes(k), *v) for k, v in self._entered.items()]
+        left = [bytes(k) for k in self._left]
+        self._entered, self._left = {}, set()
+        return entered, left
+
+    def keys(self) -> list[BlockKey]:
+        return list(self._block_of)
+
+
+def page_digest(pages: Sequence[torch.Tensor]) -> int:
+    """The digest of a block whose bytes are `pages` in order: what a reader verifies after its transfer."""
+    if pages[0].device.type != "cpu":
+        return tensor_hashes([torch.cat([p.reshape(-1) for p in pages])])[0]
+    return hash_segments([p.numpy() for p in pages])
+
+
+class PagedKVLending:
+    """This engine's side of lending: its NIXL agent over the paged KV, the blocks lent, the control actor."""
+
+    def __init__(self, paged: PagedKV, node: str, actor, lender: NixlRegionLender) -> None:
+        self.paged, self.node, self.actor, self.lender = paged, node, actor, lender
+        self.blocks = LentBlocks()
+        self.updates = 0  # calls to the actor (one per step with changes)
+
+    @classmethod
+    def start(cls, paged: PagedKV, node: str, timeout_s: float) -> "PagedKVLending | None":
+        """Lend `paged` as node `node`'s hbm tier, or None (logged) when it cannot: another engine on the node
+        lends already, or NIXL cannot register the memory."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ...actors.index_actor import NAMESPACE
+        from ...actors.lent_pages_actor import LENT_TIER, LentPagesActor
+        from ...actors.tier_actor import actor_name
+
+        name = actor_name(node, LENT_TIER)
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            log.warning("kvcluster: another engine lends node %s's paged KV already; this one lends nothing", node)
+            return None
+        except ValueError:
+            pass
+        try:
+            lender = NixlRegionLender(paged.regions, name=f"kvc-lend-{node}-{id(paged):x}")
+        except (StorageError, RuntimeError) as exc:  # NIXL missing, or it cannot register this memory
+            log.warning("kvcluster: the paged KV cannot be lent over NIXL (%s); it is not lent", exc)
+            return None
+        here = NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True)
+        try:
+            actor = LentPagesActor.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(
+                node, lender.metadata, lender.descs, paged.row_bytes, lender.name)
+            ray.get(actor.describe.remote(), timeout=timeout_s)
+        except (ValueError, ray.exceptions.RayError) as exc:  # the name was taken meanwhile, or it did not start
+            log.warning("kvcluster: the lent-pages actor of node %s did not start (%s); nothing is lent", node, exc)
+            lender.close()
+            return None
+        return cls(paged, node, actor, lender)
+
+    def written(self, block_ids: Sequence[int]) -> None:
+        self.blocks.written(block_ids)
+
+    def lend(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
+        """These blocks' pages hold these keys, complete: lend them, with the digest of their pages."""
+        for key, b in zip(keys, block_ids):
+            if self.blocks.block_of(key) != b:
+                self.blocks.lend(key, b, self.paged.row_bytes, page_digest(self.paged.block_pages(b)))
+
+    def flush(self) -> None:
+        """The step's changes to the actor, in one fire-and-forget call (none when nothing changed)."""
+        entered, left = self.blocks.drain()
+        if entered or left:
+            self.actor.update.remote(entered, left)
+            self.updates += 1
+
+    def close(self, timeout_s: float) -> None:
+        """Stop lending: the index forgets the blocks (waited for, bounded), then the pages are unregistered."""
+        import ray
+
+        try:
+            ray.get(self.actor.retire.remote(), timeout=timeout_s)
+            ray.kill(self.actor)
+        except ray.exceptions.RayError:
+            pass  # gone already: its reports go stale and readers miss
+        self.lender.close()
