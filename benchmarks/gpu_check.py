@@ -11,8 +11,9 @@ the same bytes, and the ratio between them is what the report is about:
 - nvme: the nvme backend's reads + H2D vs a plain preadv + H2D (and KvikIO, when
   importable), with the I/O path the backend actually took (both: gpu_tiers.py);
 - nixl: raw NIXL UCX VRAM<->DRAM vs torch copies, the repo's rdma backend vs the raw
-  NIXL read, and reads straight into 32 layers' paged KV pages in VRAM vs the staged
-  read + PagedKV.scatter (gpu_nixl.py);
+  NIXL read, reads straight into 32 layers' paged KV pages in VRAM vs the staged
+  read + PagedKV.scatter, and the same blocks read from another engine's lent paged KV
+  in VRAM (the node's hbm tier) vs that in-place read from a pool (gpu_nixl.py);
 - serving: TTFT for a long prompt whose prefix is in DRAM vs cold prefill, decode
   tokens/s vs the bare model, greedy output with and without the cache (gpu_serving.py);
 - sizing: the sizing engine's bytes vs the CUDA allocator's delta for the cache (gpu_sizing.py).

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 from gpu_common import Plan, Skip, best_s, block_bytes, block_keys, cuda, host_blocks, versus
+from paged_nixl import lent_pages
 
 
 class NixlPair:
@@ -171,9 +172,14 @@ def paged_read(plan: Plan, client, keys: list, src: torch.Tensor, dev: torch.Ten
         kv.scatter(targets, list(rows))
 
     ref_s = best_s(staged_then_scattered, plan.repeat)
+    for t in layers:
+        t.zero_()
+    lent_s, lent_ok = lent_pages(src, keys, PAGED_LAYERS, page, kv, targets, plan.repeat)
     return versus(seconds, ref_s, n * block, "rdma read via staging into host rows + PagedKV.scatter") | {
         "bytes_verified": ok, "pages_per_block": PAGED_LAYERS, "page_bytes": page,
-        "segmented_reads": client.stats()["extra"].get("segmented_reads", 0)}
+        "segmented_reads": client.stats()["extra"].get("segmented_reads", 0),
+        "from_lent_paged_kv": versus(lent_s, seconds, n * block, "the in-place read from a pool's slab (above)")
+        | {"bytes_verified": lent_ok, "owner_mem": "VRAM" if dev.is_cuda else "DRAM"}}
 
 
 PAGED_LAYERS = 32  # pages a block is split into, one per attention layer (Llama-3.1-8B)
@@ -185,4 +191,7 @@ def summary_nixl(s: dict) -> str:
             f"DRAM->{mem} {r['gbps']:.1f} vs {r['ref_gbps']:.1f} ({r['ratio']:.0%}); "
             f"rdma backend+H2D {b['gbps']:.2f} vs raw NIXL read ({b['ratio']:.0%}); "
             + "; ".join(f"{k.replace('_', ' ')} {v['gbps']:.2f} GB/s ({v['ratio']:.0%}, verified {v['bytes_verified']})"
-                        for k, v in b.items() if k.startswith("straight_into") and "gbps" in v))
+                        for k, v in b.items() if k.startswith("straight_into") and "gbps" in v)
+            + "".join(f"; from lent paged KV {v['from_lent_paged_kv']['gbps']:.2f} GB/s "
+                      f"({v['from_lent_paged_kv']['ratio']:.0%} of in place)"
+                      for k, v in b.items() if isinstance(v, dict) and "from_lent_paged_kv" in v))

@@ -80,10 +80,10 @@ def measure(page: int, layers: int, n: int, repeat: int) -> dict:
 
 def lent_pages(src: torch.Tensor, keys: list, layers: int, page: int, kv: PagedKV, targets: list[int],
                repeat: int) -> tuple[float, bool]:
-    """Seconds to read the blocks from another engine's lent paged KV (every other block of it) into `kv`'s
-    `targets` pages, and whether the bytes are exact."""
+    """Seconds to read the blocks (host rows `src`) from another engine's lent paged KV (every other block of it,
+    on `kv`'s device) into `kv`'s `targets` pages, and whether the bytes are exact."""
     n = len(keys)
-    owner = PagedKV([torch.zeros((2 * n, page), dtype=torch.uint8) for _ in range(layers)],
+    owner = PagedKV([torch.zeros((2 * n, page), dtype=torch.uint8, device=kv.device) for _ in range(layers)],
                     [f"layer.{i}" for i in range(layers)], 2 * n, page)
     owner_blocks = list(range(0, 2 * n, 2))
     owner.scatter(owner_blocks, list(src))
