@@ -248,6 +248,8 @@ def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_fr
     keys = KeySpace(model=FINGERPRINT).chain_token_ids(prompt, BLOCK)
     env = {k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
                                       "VLLM_TARGET_DEVICE") if k in os.environ}
+    here = str(Path(__file__).resolve().parent)  # the actor's class is this module's: its worker imports it
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
     lender = ray.remote(LendingEngine).options(num_cpus=0, resources={"n0": 0.1}, runtime_env={"env_vars": env}) \
         .remote(str(model_dir), "n0")
     cold = ray.get(lender.generate.remote(prompt), timeout=240)
