@@ -12,7 +12,7 @@ vLLM gets `--kv-blocks` blocks of paged KV (128 tokens each on CPU; a little mor
 window-long request), far less than the replay's working set, so its prefix cache evicts history that the
 next turn needs. Each arm of each dataset runs in a fresh engine (and a fresh connector store or
 directory), one request at a time, after one untimed 64-token warm-up request; with `--rounds` N, each
-round runs the three arms in turn and an arm's figures pool its N replays (each round's ratio is kept too):
+round runs the arms in turn and an arm's figures pool its N replays (each round's ratio is kept too):
 
 - TTFT: from `add_request` to the engine step that returns the request's first token (scheduling, the
   connector's lookup and load, the prefill, the connector's saves of the prompt's blocks, which both
@@ -25,6 +25,10 @@ round runs the three arms in turn and an arm's figures pool its N replays (each 
 
 `ExampleConnector` keys what it stores by the whole prompt and loads only for a prompt it stored exactly
 (vLLM's reference, not a prefix cache), so in a multi-turn replay it stores every prompt and loads none.
+
+A fourth arm, `vllm_room_for_all`, is the ceiling rather than a competitor: vLLM alone with paged KV for the
+whole working set, so its own prefix cache never evicts and every reusable block is there at no load cost.
+No connector can beat it; `share_of_ceiling` says how much of its speed-up over vLLM alone kvcluster reaches.
 
 The model is kvcluster's tiny Llama config (8 layers, 2 KV heads, float32: 1 MiB of KV per 128-token block)
 with seeded random weights (load_format="dummy") and the offline tokenizer. With `--ttft-prompts` > 0 the
@@ -62,7 +66,8 @@ from kvcluster.traces.text import SESSION_GAP_S, TURN_GAP_S  # noqa: E402
 
 BLOCK = 128  # vLLM's block size on CPU
 MAX_MODEL_LEN = 4096  # the tiny Llama's max_position_embeddings
-ARMS = ("vllm", "vllm+example_connector", "vllm+kvcluster")
+ARMS = ("vllm", "vllm+example_connector", "vllm+kvcluster", "vllm_room_for_all")
+CEILING = "vllm_room_for_all"  # vLLM alone with KV room for the whole working set: no eviction, no loads
 GOAL_SPEEDUP = 1.7
 
 
@@ -200,13 +205,15 @@ def summarize(runs: list[ArmRun]) -> dict:
 
 
 def bench_dataset(dataset: str, args, model: Path) -> dict:
-    """Every round runs the three arms in turn, so each arm sees the machine at nearly the same moments."""
+    """Every round runs the arms in turn, so each arm sees the machine at nearly the same moments."""
     turns = select_turns(replay_requests(dataset, 10 ** 9, MAX_MODEL_LEN - args.max_new_tokens),
                          args.conversations, args.max_turns)
     runs: dict[str, list[ArmRun]] = {arm: [] for arm in ARMS}
+    room = working_set_blocks(turns) + MAX_MODEL_LEN // BLOCK + 2  # every block of the replay, and a window
     for _ in range(args.rounds):
         for arm in ARMS:
-            runs[arm].append(run_arm(arm, turns, model, args.kv_blocks, args.dram_mib, args.max_new_tokens,
+            blocks = max(args.kv_blocks, room) if arm == CEILING else args.kv_blocks
+            runs[arm].append(run_arm(arm, turns, model, blocks, args.dram_mib, args.max_new_tokens,
                                      not args.sync_transfers))
     arms = {arm: summarize(r) for arm, r in runs.items()}
     base, example, ours = arms["vllm"], arms["vllm+example_connector"], arms["vllm+kvcluster"]
@@ -215,10 +222,14 @@ def bench_dataset(dataset: str, args, model: Path) -> dict:
         r["ttft_p50_vs_vllm"] = r["ttft_p50_s"] / base["ttft_p50_s"]
         r["requests_per_s_vs_vllm_rounds"] = [a["requests_per_s"] / b["requests_per_s"]
                                               for a, b in zip(r["rounds"], base["rounds"])]
+    ceiling_gain = arms[CEILING]["requests_per_s"] - base["requests_per_s"]
     return {"dataset": dataset, "requests": len(turns), "conversations": len({t.session for t in turns}),
             "mean_prompt_tokens": sum(len(t.prompt) for t in turns) / len(turns),
             "max_prompt_tokens": max(len(t.prompt) for t in turns),
-            "working_set_blocks": working_set_blocks(turns), "arms": arms,
+            "working_set_blocks": working_set_blocks(turns), "ceiling_kv_blocks": max(args.kv_blocks, room),
+            "arms": arms,
+            "share_of_ceiling": (ours["requests_per_s"] - base["requests_per_s"]) / ceiling_gain
+            if ceiling_gain > 0 else None,
             "goal_speedup_met": ours["requests_per_s_vs_vllm"] >= GOAL_SPEEDUP,
             "goal_ttft_p50_ahead_of_example_met": ours["ttft_p50_s"] < example["ttft_p50_s"]}
 
@@ -240,7 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, default=36,
                         help="vLLM's paged KV blocks (num_gpu_blocks_override); >= 33 for a 4,096-token window")
     parser.add_argument("--rounds", type=_positive, default=1,
-                        help="replays of each dataset, the three arms in turn each round (figures pool all rounds)")
+                        help="replays of each dataset, the arms in turn each round (figures pool all rounds)")
     parser.add_argument("--dram-mib", type=_positive, default=512, help="kvcluster's dram tier (1 MiB a block)")
     parser.add_argument("--sync-transfers", action="store_true",
                         help="kvcluster's loads and saves inside the engine step (async_loads/async_saves off)")
@@ -268,6 +279,9 @@ def print_table(report: dict) -> None:
             print(f"{arm:24s} {r['requests_per_s']:7.2f} {r['requests_per_s_vs_vllm']:7.2f} "
                   f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:6.0f}ms {r['ttft_p50_vs_vllm']:7.2f} "
                   f"{r['cached_token_share']:7.1%}")
+        if d["share_of_ceiling"] is not None:
+            print(f"kvcluster reaches {d['share_of_ceiling']:.0%} of the speed-up of vLLM with room for the whole "
+                  f"working set ({d['ceiling_kv_blocks']} blocks)")
         if report["rounds"] > 1:
             per_round = ", ".join(f"{x:.2f}" for x in d["arms"]["vllm+kvcluster"]["requests_per_s_vs_vllm_rounds"])
             print(f"kvcluster req/s x vLLM by round: {per_round}")
