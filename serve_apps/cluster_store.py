@@ -123,7 +123,9 @@ class ClusterBlockStore:
         refs = {}
         readers = {loc: self._reader(*loc) for loc in groups}
         for (node, tier), positions in groups.items():
-            if readers[(node, tier)] is not None or tier == LENT_TIER:  # lent pages are read over NIXL or missed
+            if tier == LENT_TIER and readers[(node, tier)] is None:  # lent pages are read over NIXL or missed
+                self._forget_if_gone(node, tier)
+            if readers[(node, tier)] is not None or tier == LENT_TIER:
                 continue
             try:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
@@ -259,6 +261,7 @@ class ClusterBlockStore:
             self._readers.pop(loc, None)
             self._in_place.discard(loc)
             self._actors.pop(loc, None)
+            self._forget_if_gone(*loc)
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
             return [None] * n
@@ -267,6 +270,20 @@ class ClusterBlockStore:
             metrics.faults().inc(corrupt, {"component": f"{loc[0]}/{loc[1]}", "kind": "corrupt"})
         self.counters["nixl_blocks"] += sum(d is not None for d in digests)
         return digests
+
+    def _forget_if_gone(self, node: str, tier: str) -> None:
+        """An engine's lent paged KV whose actor is gone (the engine exited or crashed; it is never restarted)
+        holds nothing: the index is told, so no reader is promised its blocks again and their other copies are
+        read instead. A tier actor is restarted and reports what it holds itself."""
+        if tier != LENT_TIER:
+            return
+        try:
+            ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
+        except ValueError:
+            client = self.index.client if isinstance(self.index, LocalIndex) else self.index
+            client.lost(node, tier)
+            self.counters["lenders_gone"] += 1
+            log.warning("the paged KV lent by %s is gone: the index forgets it", node)
 
     def _count_hbm(self, asked: int, hits: int) -> None:
         tags = {"node": self.node or "local", "tier": "hbm"}

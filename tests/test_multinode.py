@@ -245,3 +245,66 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
     assert store.fetch(KEYS) == []  # B's memory is gone: misses, recomputed by the replica
     assert store.counters["remote_failures"] == 1  # one (node, tier) group, b/dram, whose one read failed
     del predictor
+
+
+def test_an_engines_lent_pages_are_read_from_another_node_and_forgotten_when_it_dies(cluster) -> None:
+    """An engine on A lends its paged KV (here: this process's pages, a `NixlRegionLender`, and the lent-pages
+    actor on A): a replica store on another node reads the blocks from those pages, preferring them to B's dram
+    copy (hbm is faster). When the engine dies without retiring (its actor killed, its agent gone), the next
+    read misses, and the store tells the index the lender is gone: the read after that takes B's copy."""
+    from kvcluster.actors.lent_pages_actor import LentPagesActor
+    from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
+    from kvcluster.integrations.vllm.lending import LentBlocks, page_digest
+    from kvcluster.integrations.vllm.paged_kv import PagedKV
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import NixlRegionLender, hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+
+    tmp = cluster[3]  # earlier tests removed nodes: every actor runs on the head, named for its node
+    head_id = ray.get_runtime_context().get_node_id()
+    names_free(INDEX_NAME, PREDICTOR_NAME, "kvcluster/b/dram", "kvcluster/a/hbm")
+    index = IndexActor.options(name=INDEX_NAME, scheduling_strategy=pinned(head_id)).remote()
+    predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "lent"))
+    layers = [torch.from_numpy(np.random.default_rng(30 + i).integers(0, 255, (6, 1 << 13), dtype=np.uint8))
+              for i in range(4)]
+    kv = PagedKV(layers, [f"l{i}" for i in range(4)], 6, 1 << 13)
+    held = [4, 1, 2, 5]  # the engine's blocks holding KEYS
+    data = [torch.cat(kv.block_pages(b)).numpy().copy() for b in held]
+    b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
+                               scheduling_strategy=pinned(head_id)).remote(
+        TierActorConfig(node="b", tier="dram", slots=8, slot_bytes=1 << 15).model_dump())
+    assert ray.get(b_dram.put_many.remote(KEYS, data)) == [True] * 4
+    lender = NixlRegionLender(kv.regions)
+    lent_actor = LentPagesActor.options(name="kvcluster/a/hbm", namespace=NAMESPACE,
+                                        scheduling_strategy=pinned(head_id)).remote(
+        "a", lender.metadata, lender.descs, kv.row_bytes, lender.name)
+    lent = LentBlocks()
+    for key, b in zip(KEYS, held):
+        lent.lend(key, b, kv.row_bytes, page_digest(kv.block_pages(b)))
+    ray.get(lent_actor.update.remote(*lent.drain()))
+    wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations == ((("a", "hbm"), ("b", "dram")),) * 4)
+
+    def fresh_store() -> ClusterBlockStore:
+        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 15)], 1 << 15)), "h",
+                                 timeout_s=10)
+
+    paged = torch.zeros((4, 6, 1 << 13), dtype=torch.uint8)  # the reader's own engine's pages
+    pages = [[paged[layer, b] for layer in range(4)] for b in (0, 3, 5, 1)]
+    store = fresh_store()
+    store.register(paged)
+    got, placed = store.fetch_placed(KEYS, None, pages)
+    assert placed == {0, 1, 2, 3} and store.counters["lent_pages"] == 4
+    assert all(torch.equal(torch.cat(p), torch.from_numpy(d)) for p, d in zip(pages, data))
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))
+
+    ray.kill(lent_actor)  # the engine crashes: no retire, its agent gone with it
+    lender.close()
+    names_free("kvcluster/a/hbm")
+    store = fresh_store()
+    assert store.fetch(KEYS) == [] and store.counters["lenders_gone"] == 1  # promised, unreadable: misses
+    wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations == ((("b", "dram"),),) * 4)
+    got = fresh_store().fetch(KEYS)
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # B's copy now
+    for actor in (b_dram, index, predictor):
+        ray.kill(actor)
