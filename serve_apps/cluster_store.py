@@ -4,7 +4,9 @@
 rest of the prefix lives, then reads it per (node, tier): memory tiers over NIXL
 (one lookup call, then one transfer from the tier's slab into the caller's
 buffers, checksums verified here), other tiers with one `get_many` each, all in
-flight together; this node's tiers are preferred over remote ones. An engine
+flight together; this node's tiers are preferred over remote ones. A block whose
+copy fails (its tier gone, corrupt) is read once more from its next copy, if the
+index lists one. An engine
 whose paged KV is registered here (`register`) has blocks from memory tiers
 written straight into their pages (`fetch_placed`): one transfer, no staging. An
 engine that lends its paged KV as its node's hbm tier (`kvcluster.integrations.vllm.lending`) is read the
@@ -116,19 +118,62 @@ class ClusterBlockStore:
             metrics.faults().inc(1, {"component": "replica", "kind": "index_unavailable"})
             return local, set()
         match = self._readable(match)
-        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        source = [self._choose(match.locations[j]) for j in range(match.length)]
+        got, placed = self._read_from(rest, source, range(match.length), len(local), out, pages)
+        retry = []  # a copy that failed (its tier gone, corrupt, pages rewritten) is read once more from the next copy
         for j in range(match.length):
-            groups[self._choose(match.locations[j])].append(j)
+            if got.get(j) is not None:
+                continue
+            others = [loc for loc in match.locations[j] if tuple(loc) != source[j]]
+            if not others:
+                break  # no other copy: the run ends here
+            source[j] = self._choose(others)
+            retry.append(j)
+        if retry:
+            again, again_placed = self._read_from(rest, source, retry, len(local), out, pages)
+            got.update((j, payload) for j, payload in again.items() if payload is not None)
+            placed |= again_placed
+            self.counters["second_copies"] += sum(again.get(j) is not None for j in retry)
+        run: list[np.ndarray] = []
+        for j in range(match.length):
+            payload = got.get(j)
+            if payload is None:
+                break
+            run.append(payload)
+            tier = source[j][1]
+            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1  # "hbm" counts this store's own hits
+        if run:
+            self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
+            by_source: dict[str, int] = defaultdict(int)
+            for j, payload in enumerate(run):
+                node, tier = source[j]
+                by_source[f"{node}/{tier}"] += payload.nbytes
+            for src, nbytes in by_source.items():
+                metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
+        placed = {i for i in placed if i < len(local) + len(run)}
+        self.counters["nixl_in_place"] += len(placed)  # served from their pages (verified blocks past the run are not)
+        return local + run, placed
+
+    def _read_from(self, rest: list[BlockKey], source: list[tuple[str, str]], positions: Sequence[int], offset: int,
+                   out: Sequence[np.ndarray] | None, pages: Sequence[Sequence[torch.Tensor]] | None
+                   ) -> tuple[dict[int, np.ndarray | None], set[int]]:
+        """Blocks `rest[j]` for j in `positions`, each from `source[j]`: memory tiers and lent pages over NIXL
+        (into `out[offset + j]`, or straight into `pages[offset + j]`), other tiers with one `get_many` per
+        (node, tier), all in flight together. Returns what was read (None: a miss) and which positions of
+        `out`/`pages` (offset included) are in their pages."""
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for j in positions:
+            groups[source[j]].append(j)
         got: dict[int, np.ndarray | None] = {}
         refs = {}
         readers = {loc: self._reader(*loc) for loc in groups}
-        for (node, tier), positions in groups.items():
+        for (node, tier), where in groups.items():
             if tier == LENT_TIER and readers[(node, tier)] is None:  # lent pages are read over NIXL or missed
                 self._forget_if_gone(node, tier)
             if readers[(node, tier)] is not None or tier == LENT_TIER:
                 continue
             try:
-                refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in positions])
+                refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in where])
             except ValueError:  # no such actor (node gone): misses
                 self._actors.pop((node, tier), None)
                 self.counters["remote_failures"] += 1
@@ -136,16 +181,15 @@ class ClusterBlockStore:
         placed: set[int] = set()
         for loc, reader in readers.items():  # while those are in flight: memory tiers over NIXL, into `out` or pages
             if reader is not None:
-                positions = groups[loc]
-                landing = None if out is None else [out[len(local) + j] for j in positions]
-                blocks = [rest[j] for j in positions]
+                where = groups[loc]
+                landing = None if out is None else [out[offset + j] for j in where]
+                blocks = [rest[j] for j in where]
                 if pages is not None and loc in self._in_place:
-                    read = self._read_nixl_pages(reader, loc, blocks, [pages[len(local) + j] for j in positions],
-                                                 landing)
-                    placed.update(len(local) + j for j, payload in zip(positions, read) if payload is not None)
+                    read = self._read_nixl_pages(reader, loc, blocks, [pages[offset + j] for j in where], landing)
+                    placed.update(offset + j for j, payload in zip(where, read) if payload is not None)
                 else:
                     read = self._read_nixl(reader, loc, blocks, landing)
-                got.update(zip(positions, read))
+                got.update(zip(where, read))
         for loc, ref in refs.items():
             try:
                 for j, payload in zip(groups[loc], ray.get(ref, timeout=self.timeout_s)):
@@ -154,25 +198,7 @@ class ClusterBlockStore:
                 self._actors.pop(loc, None)
                 self.counters["remote_failures"] += 1
                 metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
-        run: list[np.ndarray] = []
-        for j in range(match.length):
-            payload = got.get(j)
-            if payload is None:
-                break
-            run.append(payload)
-            tier = self._choose(match.locations[j])[1]
-            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1  # "hbm" counts this store's own hits
-        if run:
-            self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
-            by_source: dict[str, int] = defaultdict(int)
-            for j, payload in enumerate(run):
-                node, tier = self._choose(match.locations[j])
-                by_source[f"{node}/{tier}"] += payload.nbytes
-            for src, nbytes in by_source.items():
-                metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
-        placed = {i for i in placed if i < len(local) + len(run)}
-        self.counters["nixl_in_place"] += len(placed)  # served from their pages (verified blocks past the run are not)
-        return local + run, placed
+        return got, placed
 
     def remote_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` the cluster's tiers hold, per the index (0 when it cannot say)."""
