@@ -70,13 +70,17 @@ class ClusterBlockStore:
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
         self._in_place: set[tuple[str, str]] = set()  # readers with every region registered
         self.lends = False  # this store's engine lends its paged KV as (node, LENT_TIER): never read from here
+        self.lent_suffix = ""  # a tensor-parallel worker's part of the lent-pages actors' names it reads (its rank's)
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
         loc = (node, tier)
         if loc not in self._actors:
-            self._actors[loc] = ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
+            self._actors[loc] = ray.get_actor(self._actor_name(node, tier), namespace=NAMESPACE)
         return self._actors[loc]
+
+    def _actor_name(self, node: str, tier: str) -> str:
+        return actor_name(node, tier) + (self.lent_suffix if tier == LENT_TIER else "")
 
     def register(self, region: torch.Tensor) -> None:
         """Memory that blocks from memory tiers may be written straight into (an engine's paged KV tensors, host
@@ -304,7 +308,7 @@ class ClusterBlockStore:
         if tier != LENT_TIER:
             return
         try:
-            ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
+            ray.get_actor(self._actor_name(node, tier), namespace=NAMESPACE)
         except ValueError:
             client = self.index.client if isinstance(self.index, LocalIndex) else self.index
             client.lost(node, tier)

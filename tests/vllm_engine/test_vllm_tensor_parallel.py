@@ -63,17 +63,17 @@ def tp_engine(model_dir, tiers: list[dict] | None = None, cluster: dict | None =
                     distributed_executor_backend="mp", **kw)
 
 
-def _worker_counts(worker) -> tuple[int, int, int, int, int]:
+def _worker_counts(worker) -> tuple[int, int, int, int, int, int]:
     """In a worker: (blocks loaded, failed, saved) by its connector, once its background saves are in, and the
-    blocks its cluster store read over NIXL and of those the ones written straight into the paged KV (0, 0 without
-    a cluster)."""
+    blocks its cluster store read over NIXL, of those the ones written straight into the paged KV and the ones
+    read from another engine's lent paged KV (0, 0, 0 without a cluster)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     shared = get_kv_transfer_group()._shared
     shared.wait_saved()
     counters = shared.store.counters if shared.store is not shared.local else {}
     return (shared.loaded_blocks, shared.failed_blocks, shared.saved_blocks, counters.get("nixl_blocks", 0),
-            counters.get("nixl_in_place", 0))
+            counters.get("nixl_in_place", 0), counters.get("lent_pages", 0))
 
 
 def counts(llm) -> list[tuple[int, int, int]]:
@@ -115,8 +115,10 @@ def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_l
 def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_dir, tp_reference,
                                                                           two_nodes) -> None:
     """Two-worker engines on a two-node cluster: the engine on n0 saves; the control plane places both workers'
-    shards in n0's dram tier actor. A fresh engine on n1 holds nothing itself: its scheduler asks the
-    cluster's index for both workers' shards, and each worker reads its own from n0's slab over NIXL."""
+    shards in n0's dram tier actor, and each worker lends its shards from its paged KV. A fresh engine on n1
+    holds nothing itself: its scheduler asks the cluster's index for both workers' shards, and each worker
+    reads its own over NIXL, from the pages of the same rank on n0 while that engine runs, from n0's slab
+    once it has shut down."""
     import ray
 
     from kvcluster.actors.index_client import IndexClient
@@ -124,20 +126,26 @@ def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_
     cold, warm = tp_reference
     local = [{"kind": "dram", "capacity_mib": 8}]
     link = {"node": "n0", "address": ray.get_runtime_context().gcs_address}
-    llm = tp_engine(model_dir, local, link)
-    assert generate(llm) == cold
-    assert counts(llm) == [(0, 0, 4), (0, 0, 4)]
-    close(llm)
+    lender = tp_engine(model_dir, local, link)
+    assert generate(lender) == cold
+    assert counts(lender) == [(0, 0, 4), (0, 0, 4)]
     shards = [[shard_key(k, r, TP) for k in KEYS] for r in range(TP)]
     index = IndexClient.connect()
     deadline = time.monotonic() + 30
-    while index.held_runs(shards) != [4, 4]:  # the control plane's placement is fire-and-forget
+    while index.held_runs(shards) != [4, 4] or not all(
+            ("n0", "hbm") in locs for s in shards for locs in index.longest_prefix(s).locations):
         assert time.monotonic() < deadline, f"the cluster indexed {index.held_runs(shards)} of each worker's 4"
-        time.sleep(0.2)
+        time.sleep(0.2)  # the control plane's placement and the workers' lending are both fire-and-forget
     assert index.held_runs([KEYS]) == [0]  # only the shards are stored, never a whole block
 
     llm = tp_engine(model_dir, local, link | {"node": "n1"})
     assert generate(llm) == warm  # vLLM's own log-probabilities
-    # each worker's 4 shards came over NIXL straight into its own paged KV
-    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4, 4), (4, 0, 0, 4, 4)]
+    # each worker's 4 shards came over NIXL from its rank's pages on n0, straight into its own paged KV
+    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4, 4, 4), (4, 0, 0, 4, 4, 4)]
+    close(llm)
+    close(lender)  # its workers retire their pages: the index keeps n0's dram copies only
+
+    llm = tp_engine(model_dir, local, link | {"node": "n1"})
+    assert generate(llm) == warm
+    assert [tuple(c) for c in llm.collective_rpc(_worker_counts)] == [(4, 0, 0, 4, 4, 0), (4, 0, 0, 4, 4, 0)]
     close(llm)

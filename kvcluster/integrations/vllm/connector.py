@@ -163,7 +163,7 @@ class KVClusterConnector(KVConnectorBase_V1):
             self._shared = shared_store(self._store_name, for_rank(config, self._rank, self._workers), block_bytes)
         self._store = self._shared.store if self._shared is not None else None
         self._cluster = config.cluster
-        self._lend = config.cluster is not None and config.cluster.lend_paged_kv and self._workers == 1
+        self._lend = config.cluster is not None and config.cluster.lend_paged_kv
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
@@ -325,7 +325,10 @@ class KVClusterConnector(KVConnectorBase_V1):
             for region in self._paged.regions:
                 self._store.register(region)
         if self._lend and hasattr(self._store, "fetch_placed"):
-            self._lending = PagedKVLending.start(self._paged, self._cluster.node, self._cluster.timeout_s)
+            # with tensor parallelism each worker lends its shards, read by the same rank of an engine of the same shape
+            suffix = "" if self._workers == 1 else f"/tp{self._rank}-of-{self._workers}"
+            self._store.lent_suffix = suffix
+            self._lending = PagedKVLending.start(self._paged, self._cluster.node, self._cluster.timeout_s, suffix)
             self._store.lends = self._lending is not None
             self._shared.lending = self._lending
 
@@ -374,7 +377,7 @@ class KVClusterConnector(KVConnectorBase_V1):
             self._paged.scatter([load.block_ids[j] for j in rest], [payloads[j] for j in rest])
         self._shared.loaded_blocks += n
         if self._lending is not None:
-            self._lending.lend(load.keys[:n], load.block_ids[:n])
+            self._lending.lend(self._stored(load.keys[:n]), load.block_ids[:n])
         if n < len(load.keys):
             self._shared.failed_blocks += len(load.keys) - n
             self._load_errors.update(load.block_ids[n:])
@@ -422,7 +425,7 @@ class KVClusterConnector(KVConnectorBase_V1):
                 if not here:
                     todo.append((key, block_id))
             if self._lending is not None:
-                self._lending.lend(save.keys[:complete], save.block_ids[:complete])
+                self._lending.lend(keys[:complete], save.block_ids[:complete])
             if todo:
                 ids, keys = [b for _, b in todo], [k for k, _ in todo]
                 if self._saver is None:

@@ -15,8 +15,9 @@ pages by up to a step; a reader that reads pages being rewritten finds a wrong d
 of each lent block is taken from its pages when it enters.
 
 One engine per node lends (its actor's name is the node's); a second one on the node reads from the cluster
-like any other but lends nothing. With tensor parallelism each worker holds a shard of every block, so
-nothing is lent either.
+like any other but lends nothing. With tensor parallelism each worker lends its own shards (stored under
+keys of their own, `shard_key`) through an actor of its own, `kvcluster/<node>/hbm/tp{rank}-of-{size}`; the
+same rank of another engine of that shape is the only reader that asks for those keys, and it asks that actor.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class PagedKVLending:
         self.updates = 0  # calls to the actor (one per step with changes)
 
     @classmethod
-    def start(cls, paged: PagedKV, node: str, timeout_s: float) -> "PagedKVLending | None":
-        """Lend `paged` as node `node`'s hbm tier, or None (logged) when it cannot: another engine on the node
-        lends already, or NIXL cannot register the memory."""
+    def start(cls, paged: PagedKV, node: str, timeout_s: float, suffix: str = "") -> "PagedKVLending | None":
+        """Lend `paged` as node `node`'s hbm tier (`suffix`: a tensor-parallel worker's part of its actor's name),
+        or None (logged) when it cannot: another engine on the node lends already, or NIXL cannot register the
+        memory."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -110,7 +112,7 @@ class PagedKVLending:
         from ...actors.lent_pages_actor import LENT_TIER, LentPagesActor
         from ...actors.tier_actor import actor_name
 
-        name = actor_name(node, LENT_TIER)
+        name = actor_name(node, LENT_TIER) + suffix
         try:
             ray.get_actor(name, namespace=NAMESPACE)
             log.warning("kvcluster: another engine lends node %s's paged KV already; this one lends nothing", node)
@@ -118,7 +120,7 @@ class PagedKVLending:
         except ValueError:
             pass
         try:
-            lender = NixlRegionLender(paged.regions, name=f"kvc-lend-{node}-{id(paged):x}")
+            lender = NixlRegionLender(paged.regions, name=f"kvc-lend-{node}{suffix.replace('/', '-')}-{id(paged):x}")
         except (StorageError, RuntimeError) as exc:  # NIXL missing, or it cannot register this memory
             log.warning("kvcluster: the paged KV cannot be lent over NIXL (%s); it is not lent", exc)
             return None
