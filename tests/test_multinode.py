@@ -72,6 +72,29 @@ def wait_for(fn, timeout: float = 30.0):
     raise AssertionError("condition not reached")
 
 
+def replica_store(slot_bytes: int):
+    """A replica's fetch path on node "h" (kvcluster.serve_apps.cluster_store), its own hbm empty."""
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+
+    return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, slot_bytes)], slot_bytes)), "h", timeout_s=10)
+
+
+def fetch_into_pages(store, data: list[np.ndarray], targets: tuple[int, ...]) -> set[int]:
+    """KEYS fetched into blocks `targets` of an engine's paged KV (4 layers of 8 KiB pages, registered with the
+    store): the pages and the payloads promoted into hbm hold `data`. Returns the positions already in their
+    pages."""
+    paged = torch.zeros((4, 6, 1 << 13), dtype=torch.uint8)
+    pages = [[paged[layer, b] for layer in range(4)] for b in targets]
+    store.register(paged)
+    got, placed = store.fetch_placed(KEYS, None, pages)
+    assert all(torch.equal(torch.cat(p), torch.from_numpy(d)) for p, d in zip(pages, data))
+    assert len(got) == len(data) and all(np.array_equal(g, d) for g, d in zip(got, data))
+    return placed
+
+
 def test_a_block_written_on_a_is_read_from_b_over_nixl_and_pfs_outlives_its_node(cluster) -> None:
     c, node_a, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
@@ -203,10 +226,6 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
     registered pages (through rows when the memory cannot be registered); once B is removed its blocks are misses
     and the fetch still returns, without an error."""
     from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
-    from kvcluster.serving.block_store import LocalBlockStore
-    from kvcluster.storage import hbm_backend
-    from kvcluster.storage.tiered import TieredStore
-    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
 
     c, _, node_b, tmp = cluster
     head_id = ray.get_runtime_context().get_node_id()
@@ -220,22 +239,14 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
     assert ray.get(b_dram.put_many.remote(KEYS, data)) == [True] * 4
     wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).length == 4)
 
-    def fresh_store() -> ClusterBlockStore:
-        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 16)], 1 << 16)), "h",
-                                 timeout_s=10)
+    def fresh_store():
+        return replica_store(1 << 16)
 
     got = fresh_store().fetch(KEYS)
     assert len(got) == 4 and all(np.array_equal(g, d) for g, d in zip(got, data))
 
-    # an engine's paged KV (4 layers of 8 KiB pages) registered: B's blocks land straight in their pages
-    paged = torch.zeros((4, 6, 1 << 13), dtype=torch.uint8)
-    pages = [[paged[layer, b] for layer in range(4)] for b in (5, 0, 3, 1)]
-    store = fresh_store()
-    store.register(paged)
-    got, placed = store.fetch_placed(KEYS, None, pages)
-    assert placed == {0, 1, 2, 3} and store.counters["nixl_in_place"] == 4
-    assert all(torch.equal(torch.cat(p), torch.from_numpy(d)) for p, d in zip(pages, data))
-    assert all(np.array_equal(g, d) for g, d in zip(got, data))  # and the payloads promoted into hbm
+    store = fresh_store()  # an engine's paged KV registered: B's blocks land straight in their pages
+    assert fetch_into_pages(store, data, (5, 0, 3, 1)) == {0, 1, 2, 3} and store.counters["nixl_in_place"] == 4
     store = fresh_store()
     store.register(torch.empty(1 << 15, dtype=torch.uint8, device="meta"))  # memory NIXL cannot register
     got, placed = store.fetch_placed(KEYS, None, [[torch.zeros(1 << 13, dtype=torch.uint8)] * 4] * 4)
@@ -257,10 +268,7 @@ def test_an_engines_lent_pages_are_read_from_another_node_and_forgotten_when_it_
     from kvcluster.actors.predictor_actor import PREDICTOR_NAME, PredictorActor
     from kvcluster.integrations.vllm.lending import LentBlocks, page_digest
     from kvcluster.integrations.vllm.paged_kv import PagedKV
-    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
-    from kvcluster.serving.block_store import LocalBlockStore
-    from kvcluster.storage import NixlRegionLender, hbm_backend
-    from kvcluster.storage.tiered import TieredStore
+    from kvcluster.storage import NixlRegionLender
 
     tmp = cluster[3]  # earlier tests removed nodes: every actor runs on the head, named for its node
     head_id = ray.get_runtime_context().get_node_id()
@@ -286,18 +294,11 @@ def test_an_engines_lent_pages_are_read_from_another_node_and_forgotten_when_it_
     ray.get(lent_actor.update.remote(*lent.drain()))
     wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).locations == ((("a", "hbm"), ("b", "dram")),) * 4)
 
-    def fresh_store() -> ClusterBlockStore:
-        return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, 1 << 15)], 1 << 15)), "h",
-                                 timeout_s=10)
+    def fresh_store():
+        return replica_store(1 << 15)
 
-    paged = torch.zeros((4, 6, 1 << 13), dtype=torch.uint8)  # the reader's own engine's pages
-    pages = [[paged[layer, b] for layer in range(4)] for b in (0, 3, 5, 1)]
-    store = fresh_store()
-    store.register(paged)
-    got, placed = store.fetch_placed(KEYS, None, pages)
-    assert placed == {0, 1, 2, 3} and store.counters["lent_pages"] == 4
-    assert all(torch.equal(torch.cat(p), torch.from_numpy(d)) for p, d in zip(pages, data))
-    assert all(np.array_equal(g, d) for g, d in zip(got, data))
+    store = fresh_store()  # the reader's own engine's pages registered: read page to page from the lender's
+    assert fetch_into_pages(store, data, (0, 3, 5, 1)) == {0, 1, 2, 3} and store.counters["lent_pages"] == 4
 
     ray.kill(lent_actor)  # the engine crashes: no retire, its agent gone with it
     lender.close()
