@@ -239,7 +239,7 @@ def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_fr
     on n1 reads them over NIXL from n0's pages into its own (chosen over n0's dram copy: hbm is faster), giving
     the output of n0's own prefix cache bit for bit. A bit flipped in n0's pages fails its checksum at n1: that
     block is read from its next copy, n0's dram, and the output is the same. Once the n0 engine shuts down the
-    index forgets its pages and the next engine reads n0's dram."""
+    index forgets its pages, and lists n0's dram copies only."""
     import ray
 
     from kvcluster.actors.index_client import IndexClient
@@ -280,12 +280,8 @@ def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_fr
 
     ray.get(lender.close.remote())  # retires its pages: the index forgets them before shutdown returns
     ray.kill(lender)
-    assert all(("n0", "hbm") not in locs for locs in index.longest_prefix(keys).locations)
-    llm, shared = engine(model_dir, local, {"node": "n1"})
-    tokens, logprobs, _ = generate(llm, prompt)
-    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
-    assert (shared.loaded_blocks, shared.store.counters["lent_pages"], shared.store.counters["dram"]) == (4, 0, 4)
-    close(llm)
+    match = index.longest_prefix(keys)  # n0's dram copies stay (read after a lender left: the TP test)
+    assert match.length == 4 and all(("n0", "hbm") not in locs for locs in match.locations)
 
 
 def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_recomputed(model_dir, reference,
