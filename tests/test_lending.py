@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcluster.integrations.vllm.lending import LentBlocks, page_digest
+from kvcluster.integrations.vllm.lending import LentBlocks, page_digest, page_digests
 from kvcluster.integrations.vllm.paged_kv import PagedKV
 from kvcluster.keys import KeySpace
 from kvcluster.storage import LentDirectory, NixlRegionLender, RDMABackend, StorageError
@@ -158,3 +158,18 @@ def test_the_directory_follows_the_engines_lent_blocks_through_any_steps(ops) ->
         assert directory.lookup([k]) == [None if b is None else (b, 64, b * 100 + ks.index(k))]
     lent = [blocks.block_of(k) for k in ks if blocks.block_of(k) is not None]
     assert len(lent) == len(set(lent)) == len(blocks) == len(directory)
+
+
+def test_the_digests_of_a_batch_of_blocks_are_each_blocks_own() -> None:
+    kv = engine_kv(seed=4)
+    assert page_digests([kv.block_pages(b) for b in (3, 0, 3)]) == [checksum(row(kv, b).numpy()) for b in (3, 0, 3)]
+    assert page_digests([]) == []
+
+
+def test_a_report_with_a_block_longer_than_a_slot_is_refused_whole() -> None:
+    directory = LentDirectory(b"", b"", 64, "engine")
+    ks = [bytes(k) for k in keys(2, "long")]
+    directory.update([(ks[0], 1, 64, 7)], [])
+    with pytest.raises(ValueError, match="lent blocks of \\[65\\] bytes in slots of 64"):
+        directory.update([(ks[1], 2, 65, 8)], [ks[0]])
+    assert directory.lookup(ks) == [(1, 64, 7), None]  # nothing of the refused report was applied

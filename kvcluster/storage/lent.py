@@ -34,11 +34,12 @@ class LentDirectory:
         """Apply one report: `left` keys go first, then `entered` (key, slot, length, digest) are readable (a key
         that left and entered again in one report is readable at its new slot). Returns the keys that became
         readable and those that stopped being readable, for the index."""
+        too_long = [length for _, _, length, _ in entered if length > self.slot_bytes]
+        if too_long:  # refused whole, before anything changes: the directory and the index stay in step
+            raise ValueError(f"lent blocks of {too_long[:3]} bytes in slots of {self.slot_bytes}")
         gone = [k for k in left if self._entries.pop(BlockKey(k), None) is not None]
         came = []
         for key, slot, length, digest in entered:
-            if length > self.slot_bytes:
-                raise ValueError(f"lent block of {length} bytes in slots of {self.slot_bytes}")
             self._entries[BlockKey(key)] = SlotEntry(slot, length, digest)
             came.append(key)
         arrived = set(came)

@@ -87,9 +87,17 @@ class LentBlocks:
 
 def page_digest(pages: Sequence[torch.Tensor]) -> int:
     """The digest of a block whose bytes are `pages` in order: what a reader verifies after its transfer."""
-    if pages[0].device.type != "cpu":
-        return tensor_hashes([torch.cat([p.reshape(-1) for p in pages])])[0]
-    return hash_segments([p.numpy() for p in pages])
+    return page_digests([pages])[0]
+
+
+def page_digests(blocks: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+    """`page_digest` of each block, summed where the pages lie: in place on the host, and on a device in one
+    batch (`tensor_hashes`: a few kernels and one synchronisation for all of them, not one per block)."""
+    if not blocks:
+        return []
+    if blocks[0][0].device.type != "cpu":
+        return tensor_hashes([torch.cat([p.reshape(-1) for p in pages]) for pages in blocks])
+    return [hash_segments([p.numpy() for p in pages]) for pages in blocks]
 
 
 class PagedKVLending:
@@ -141,9 +149,10 @@ class PagedKVLending:
 
     def lend(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
         """These blocks' pages hold these keys, complete: lend them, with the digest of their pages."""
-        for key, b in zip(keys, block_ids):
-            if self.blocks.block_of(key) != b:
-                self.blocks.lend(key, b, self.paged.row_bytes, page_digest(self.paged.block_pages(b)))
+        new = [(key, b) for key, b in zip(keys, block_ids) if self.blocks.block_of(key) != b]
+        digests = page_digests([self.paged.block_pages(b) for _, b in new])
+        for (key, b), digest in zip(new, digests):
+            self.blocks.lend(key, b, self.paged.row_bytes, digest)
 
     def flush(self) -> None:
         """The step's changes to the actor, in one fire-and-forget call (none when nothing changed)."""
