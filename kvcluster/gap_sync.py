@@ -74,6 +74,9 @@ class GapSync:
         for mine, theirs in ((self.model.reached, totals.reached), (self.model.reused, totals.reused)):
             for row, new in zip(mine, theirs):
                 row[:] = new
+        for cls, (reached, reused) in enumerate(zip(totals.reached, totals.reused)):
+            if not reached[0] and any(reused):
+                self.model.note_reuse_row(cls)
         self._base = GapCounts([list(r) for r in totals.reached], [list(r) for r in totals.reused])
 
 

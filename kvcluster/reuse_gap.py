@@ -56,48 +56,64 @@ class GapModel:
         self._widths = np.array(self.widths)
         self.reached = [[0.0] * k for _ in range(classes)]
         self.reused = [[0.0] * k for _ in range(classes)]
+        self._reuse_only: set[int] = set()  # see `note_reuse_row`
 
     def hazards(self, cls: int) -> list[float]:
         """Posterior mean hazard per bin for one class, shrunk to the pooled hazard."""
-        k, w = self.config.bins, self.config.prior_weight
-        pooled = self._pooled()
-        reached, reused = self.reached[cls], self.reused[cls]
-        return [min(1.0, (reused[i] + w * pooled[i]) / (reached[i] + w)) for i in range(k)]
+        return self.all_hazards()[cls]
 
-    def _pooled(self) -> list[float]:
-        """Hazard of all classes together per bin; a bin with little data leans on the bin before it.
+    def _pooled_from(self, reached: list[float], reused: list[float]) -> list[float]:
+        """Hazard of all classes together per bin, from the per-bin totals; a bin with little data leans on the
+        bin before it.
 
         The prior of bin k is one pseudo-observation of bin k-1's pooled hazard, so an age nobody
         (or hardly anybody) has reached yet carries on the hazard seen just before, instead of a
         flat 0.5 that would make very old blocks look valuable. Bin 0's prior is the hazard that
-        spreads even odds of ever coming back evenly over all bins."""
-        k = self.config.bins
-        return self._pooled_from(np.array(self.reached).reshape(-1, k).sum(axis=0).tolist(),
-                                 np.array(self.reused).reshape(-1, k).sum(axis=0).tolist())
-
-    def _pooled_from(self, reached: list[float], reused: list[float]) -> list[float]:
-        """`_pooled` from the per-bin totals (counts are whole numbers: any order of adding is exact)."""
+        spreads even odds of ever coming back evenly over all bins. Counts are whole numbers: any
+        order of adding them is exact."""
         out, prev = [], 1.0 - 0.5 ** (1.0 / self.config.bins)
         for n, hits in zip(reached, reused):
             prev = (hits + prev) / (n + 1.0)
             out.append(prev)
         return out
 
-    def all_hazards(self) -> list[list[float]]:
-        """Hazards of every class; classes never seen share one row (the pooled hazard)."""
+    def note_reuse_row(self, cls: int) -> None:
+        """Say that class `cls` may count reuses of blocks it never counted a use of (blocks admitted from below).
+
+        Rows with uses are found by their first bin; these must be named, so that a
+        refresh need not scan every row of reuses."""
+        self._reuse_only.add(cls)
+
+    def _seen_hazards(self) -> tuple[list[int], np.ndarray]:
+        """The classes with counts and their posterior hazards, the pooled hazard first (row 0)."""
         w, k = self.config.prior_weight, self.config.bins
         # only the rows with counts go through numpy: most classes of a trace never occur
         seen = [c for c, row in enumerate(self.reached) if row[0]]
-        counted = [row for row in self.reused if any(row)]  # a reuse without a use: a block admitted from below
+        reused_only = [self.reused[c] for c in self._reuse_only if not self.reached[c][0]]
         reached = np.array([self.reached[c] for c in seen]).reshape(len(seen), k)
         reused_seen = np.array([self.reused[c] for c in seen]).reshape(len(seen), k)
-        pooled = self._pooled_from(reached.sum(axis=0).tolist(),
-                                   np.array(counted).reshape(len(counted), k).sum(axis=0).tolist())
-        rows = np.minimum(1.0, (reused_seen + w * np.array(pooled)) / (reached + w)).tolist()
-        out = [pooled] * self.classes
-        for cls, row in zip(seen, rows):
-            out[cls] = row
+        reused_all = reused_seen.sum(axis=0)
+        if reused_only:
+            reused_all = reused_all + np.array(reused_only).sum(axis=0)
+        pooled = np.array(self._pooled_from(reached.sum(axis=0).tolist(), reused_all.tolist()))
+        return seen, np.vstack([pooled, np.minimum(1.0, (reused_seen + w * pooled) / (reached + w))])
+
+    def _per_class(self, seen: list[int], rows: list[list[float]]) -> list[list[float]]:
+        """One row per class from `_seen_hazards`' layout: classes never seen share row 0."""
+        out = [rows[0]] * self.classes
+        for i, cls in enumerate(seen, 1):
+            out[cls] = rows[i]
         return out
+
+    def all_hazards(self) -> list[list[float]]:
+        """Hazards of every class; classes never seen share one row (the pooled hazard)."""
+        seen, h = self._seen_hazards()
+        return self._per_class(seen, h.tolist())
+
+    def hazards_and_densities(self, horizon_bin: int) -> tuple[list[list[float]], list[list[float]]]:
+        """`all_hazards()` and `densities(horizon_bin)` of them, computed together (a policy's refresh)."""
+        seen, h = self._seen_hazards()
+        return self._per_class(seen, h.tolist()), self._per_class(seen, self._density_rows(h, horizon_bin).tolist())
 
     def p_reuse_within(self, cls: int, age: float, t: float, hazards: list[float] | None = None) -> float:
         """P(used again before age + t | unused until age), from the bin hazards.
@@ -126,27 +142,31 @@ class GapModel:
         """Hit density per class and age bin: expected reuses before the horizon per second held.
 
         Held from the start of bin k until reused or until the end of bin
-        max(k, horizon_bin). Suffix sums over the distinct rows at once (classes
-        with no data share the pooled row), in the order a per-bin loop adds them."""
+        max(k, horizon_bin). Computed once per distinct row (classes with no data
+        share the pooled row)."""
         hs = hazards if hazards is not None else self.all_hazards()
-        k_bins = self.config.bins
         distinct: dict[int, int] = {}
         rows: list[list[float]] = []
         for h in hs:
             if id(h) not in distinct:
                 distinct[id(h)] = len(rows)
                 rows.append(h)
-        h = np.array(rows)
-        ones = np.ones((len(rows), 1))
-        surv = np.cumprod(np.hstack([ones, 1.0 - h]), axis=1)  # survival to the start of each bin
-        zeros = np.zeros((len(rows), 1))
+        dens = self._density_rows(np.array(rows), horizon_bin).tolist()
+        return [dens[distinct[id(h)]] for h in hs]
+
+    def _density_rows(self, h: np.ndarray, horizon_bin: int) -> np.ndarray:
+        """`densities` of the hazard rows `h`: suffix sums over all rows at once, in the order a per-bin loop
+        adds them."""
+        k_bins = self.config.bins
+        n = h.shape[0]
+        surv = np.ones((n, k_bins + 1))  # survival to the start of each bin
+        np.cumprod(1.0 - h, axis=1, out=surv[:, 1:])
         # suffix sums from the last bin down; a block reused within bin i holds half the bin on average
-        hits = np.hstack([np.cumsum((surv[:, :-1] * h)[:, ::-1], axis=1)[:, ::-1], zeros])
-        time = np.hstack([np.cumsum((surv[:, :-1] * self._widths * (1.0 - 0.5 * h))[:, ::-1], axis=1)[:, ::-1],
-                          zeros])
-        ends = np.maximum(np.arange(k_bins), horizon_bin) + 1
-        ends = np.minimum(ends, k_bins)
+        hits = np.zeros((n, k_bins + 1))
+        hits[:, :k_bins] = np.cumsum((surv[:, :-1] * h)[:, ::-1], axis=1)[:, ::-1]
+        time = np.zeros((n, k_bins + 1))
+        time[:, :k_bins] = np.cumsum((surv[:, :-1] * self._widths * (1.0 - 0.5 * h))[:, ::-1], axis=1)[:, ::-1]
+        ends = np.minimum(np.maximum(np.arange(k_bins), horizon_bin) + 1, k_bins)
         num = hits[:, :k_bins] - hits[:, ends]
         den = time[:, :k_bins] - time[:, ends]
-        dens = np.divide(num, den, out=np.zeros_like(num), where=den > 0).tolist()
-        return [dens[distinct[id(h)]] for h in hs]
+        return np.divide(num, den, out=np.zeros_like(num), where=den > 0)

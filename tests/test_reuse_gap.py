@@ -39,3 +39,25 @@ def test_density_prefers_the_class_that_comes_back_sooner() -> None:
     dens = m.densities(horizon_bin=7)
     assert dens[0][0] > dens[1][0] > 0
     assert dens[1][6] > dens[1][0]  # the slow class is worth more once it nears its gap
+
+
+def test_reuses_of_blocks_admitted_from_below_count_once_their_class_is_named() -> None:
+    m = GapModel(2, GapModelConfig(bins=4, prior_weight=2.0))
+    m.reached[0][0], m.reused[0][0] = 8, 2
+    m.reused[1][0] = 4  # reuses of blocks class 1 never counted a use of
+    start = 1 - 0.5 ** (1 / 4)
+    assert m.hazards(0)[0] == pytest.approx((2 + 2 * (2 + start) / 9) / 10)
+    m.note_reuse_row(1)
+    pooled = (6 + start) / 9
+    assert m.hazards(0)[0] == pytest.approx((2 + 2 * pooled) / 10)
+    assert m.hazards(1)[0] == pytest.approx(pooled)  # still no uses of its own: the population
+
+
+def test_a_refresh_computes_the_hazards_and_their_densities_together() -> None:
+    m = GapModel(3, GapModelConfig(bins=6))
+    m.reached[0][:4], m.reused[0][:4] = [50, 40, 30, 20], [10, 10, 10, 5]
+    m.reached[2][:2], m.reused[2][:2] = [9, 3], [6, 1]
+    hazards, densities = m.hazards_and_densities(horizon_bin=3)
+    assert hazards == m.all_hazards()
+    assert densities == m.densities(3, m.all_hazards())
+    assert hazards[1] == m.hazards(1) != hazards[0]  # class 1 has no data: the pooled hazard

@@ -180,8 +180,7 @@ class BayesPolicy(EvictionPolicy):
 
     def _refresh(self) -> None:
         horizon = age_bin(self._evict_age * self._horizon_factor, self._base, self._lastbin)
-        self._hazards = self.model.all_hazards()
-        self._dens = self.model.densities(horizon, self._hazards)
+        self._hazards, self._dens = self.model.hazards_and_densities(horizon)
         self._ends.clear()
 
     def _session_class(self, ctx: RequestContext, remember: bool) -> int:
@@ -288,6 +287,7 @@ class BayesPolicy(EvictionPolicy):
             else:
                 gtime.append(ctx.now)
                 cls = class_of(ctx.transition)
+                self.model.note_reuse_row(cls)
             gcls.append(cls)
             self._galive.append(len(members))
             for b in members:
@@ -311,29 +311,21 @@ class BayesPolicy(EvictionPolicy):
         heads = []
         memo = self._ends  # (class, side) -> the candidate as computed, and until when its age bin holds
         edges = self._edges
-        for c in list(self._active):
+        for c in self._active:  # a queued group always has blocks left, an active class a queued group
             q = queues[c]
-            while q and not gblocks[q[0]]:
-                del gblocks[q.popleft()]
-            while q and not gblocks[q[-1]]:
-                del gblocks[q.pop()]
-            if not q:
-                self._active.discard(c)
-                continue
-            for side in (0, 1):
-                g = q[-1] if side else q[0]
-                if side and g == q[0]:
-                    break
-                hit = memo.get(c * 2 + side)
+            key = c + c
+            for g in ((q[0], q[-1]) if len(q) > 1 else (q[0],)):
+                hit = memo.get(key)
                 if hit is not None and hit[0][3] == g and now < hit[1]:
                     heads.append(hit[0])
-                    continue
-                t = gtime[g]
-                age = now - t
-                k = 0 if age < base else min(int(age / base).bit_length(), lastbin)
-                cand = (dens[c][k], t, c, g, side)
-                memo[c * 2 + side] = (cand, t + edges[k + 1] if k < lastbin else float("inf"))
-                heads.append(cand)
+                else:
+                    t = gtime[g]
+                    age = now - t
+                    k = 0 if age < base else min(int(age / base).bit_length(), lastbin)
+                    cand = (dens[c][k], t, c, g, key - c - c)
+                    memo[key] = (cand, t + edges[k + 1] if k < lastbin else float("inf"))
+                    heads.append(cand)
+                key += 1
         heapq.heapify(heads)
         evicted: list[int] = []
         get, add = last.get, evicted.append
@@ -390,5 +382,6 @@ class BayesPolicy(EvictionPolicy):
         for b in resident:
             g = self._last[b]
             assert g in queued and b in self._gblocks[g], f"resident block {b} is not queued"
+        assert all(self._gblocks[g] for q in self._queues for g in q), "a queued group has no blocks left"
         assert all(q or c not in self._active for c, q in enumerate(self._queues))
         assert all(c in self._active for c, q in enumerate(self._queues) if q)
