@@ -41,8 +41,9 @@ a dict per block; on the shared traces the per-request order already closes
 75-85% of the gap where conversations dominate.
 
 Cost: one dict write per block, one pass over the class ends per request that
-evicts, O(log classes) per victim group, and a density table rebuilt every
-`refresh_requests` requests in O(classes x bins).
+evicts, O(log classes) per victim group, and every `refresh_requests` requests
+the age-bin crossings since the last refresh counted and the density table
+rebuilt in O(classes with counts x bins).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class BayesPolicy(EvictionPolicy):
         self._dens = self.model.densities(self._lastbin, self._hazards)
         self._sessions: dict[str, tuple[float, int]] = {}  # session -> (last request time, gap bucket)
         self._due = float("inf")  # when the next group reaches a new age bin
+        self._clock = float("-inf")  # the latest request time seen: crossings up to it count
+        self._gnext: list[int] = []  # per group: the next age bin it is to be counted in
         self._ends: dict[int, tuple[tuple, float]] = {}  # eviction candidates kept while their age bin holds
 
     def __contains__(self, block: int) -> bool:
@@ -156,11 +159,17 @@ class BayesPolicy(EvictionPolicy):
 
     # -- learning ---------------------------------------------------------------------------------
 
-    def _cross(self, now: float) -> None:
-        """Count the blocks of every group that just reached a new age bin unused."""
+    def _count_crossings(self) -> None:
+        """Count the blocks of every group that reached a new age bin unused by the clock.
+
+        Deferred to the next refresh, the only reader of the counts: a group whose
+        blocks are reused or leave before then settles the bins it crossed with them
+        at once (`_settle`), so the counts come out as if taken at every crossing."""
+        now = self._clock
         if now < self._due:
             return
         edges, crossing, gtime, galive, gcls = self._edges, self._crossing, self._gtime, self._galive, self._gcls
+        gnext = self._gnext
         reached = self.model.reached
         last = self._lastbin
         due = float("inf")
@@ -172,13 +181,26 @@ class BayesPolicy(EvictionPolicy):
                 alive = galive[g]
                 if alive > 0:
                     reached[gcls[g]][k] += alive
+                    gnext[g] = k + 1
                     if k < last:
                         crossing[k + 1].append(g)
             if q and gtime[q[0]] + edge < due:
                 due = gtime[q[0]] + edge
         self._due = due
 
+    def _settle(self, g: int, n: int) -> None:
+        """Count `n` blocks of group `g` that leave it now (reused, or admitted into another group) in the age
+        bins the group crossed since crossings were last counted: they were unused then."""
+        k, t, edges, clock = self._gnext[g], self._gtime[g], self._edges, self._clock
+        if k <= self._lastbin and t + edges[k] <= clock:
+            row = self.model.reached[self._gcls[g]]
+            last = self._lastbin
+            while k <= last and t + edges[k] <= clock:
+                row[k] += n
+                k += 1
+
     def _refresh(self) -> None:
+        self._count_crossings()
         horizon = age_bin(self._evict_age * self._horizon_factor, self._base, self._lastbin)
         self._hazards, self._dens = self.model.hazards_and_densities(horizon)
         self._ends.clear()
@@ -209,7 +231,8 @@ class BayesPolicy(EvictionPolicy):
 
     def access(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
         now = ctx.now
-        self._cross(now)
+        if now > self._clock:
+            self._clock = now
         self._requests += 1
         r = self._requests
         if r % self._refresh_every == 1 or self._refresh_every == 1 or (r < self._refresh_every and not r & (r - 1)):
@@ -219,12 +242,13 @@ class BayesPolicy(EvictionPolicy):
             return []
         cls = self._session_class(ctx, remember=True)
         last, gtime, gcls, galive = self._last, self._gtime, self._gcls, self._galive
-        reused = self.model.reused
+        reused, settle = self.model.reused, self._settle
         base, lastbin = self._base, self._lastbin
         start = gid = len(gtime)
         gtime.append(now)
         gcls.append(cls)
         galive.append(0)
+        self._gnext.append(1)
         members: list[int] = []
         get, add = last.get, members.append
         run_old, run_n = -1, 0
@@ -243,6 +267,7 @@ class BayesPolicy(EvictionPolicy):
                     if run_n:
                         gap = now - gtime[run_old]
                         reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
+                        settle(run_old, run_n)
                         galive[run_old] -= run_n
                     run_old, run_n = old, 0
                 run_n += 1
@@ -251,6 +276,7 @@ class BayesPolicy(EvictionPolicy):
         if run_n:
             gap = now - gtime[run_old]
             reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
+            settle(run_old, run_n)
             galive[run_old] -= run_n
         if members:
             self._enqueue(gid, cls, members)
@@ -283,6 +309,7 @@ class BayesPolicy(EvictionPolicy):
             if old >= 0:
                 gtime.append(gtime[old])
                 cls = gcls[old]
+                self._settle(old, len(members))
                 self._galive[old] -= len(members)
             else:
                 gtime.append(ctx.now)
@@ -290,6 +317,7 @@ class BayesPolicy(EvictionPolicy):
                 self.model.note_reuse_row(cls)
             gcls.append(cls)
             self._galive.append(len(members))
+            self._gnext.append(self._lastbin + 1)  # not queued for crossings: its blocks count nowhere
             for b in members:
                 last[b] = gid
             self._gblocks[gid] = members
