@@ -172,9 +172,7 @@ class ClusterBlockStore:
         refs = {}
         readers = {loc: self._reader(*loc) for loc in groups}
         for (node, tier), where in groups.items():
-            if tier == LENT_TIER and readers[(node, tier)] is None:  # lent pages are read over NIXL or missed
-                self._forget_if_gone(node, tier)
-            if readers[(node, tier)] is not None or tier == LENT_TIER:
+            if readers[(node, tier)] is not None or tier == LENT_TIER:  # lent pages are read over NIXL or missed
                 continue
             try:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in where])
@@ -215,14 +213,16 @@ class ClusterBlockStore:
             return 0
 
     def _readable(self, match: PrefixMatch) -> PrefixMatch:
-        """`match` without this store's own engine's lent pages (it would read its own memory over NIXL; its
-        engine's prefix cache answers first), cut before the first block left with no copy."""
-        if not self.lends:
+        """`match` without the lent pages this store does not read, cut before the first block left with no
+        copy: its own engine's (it would read its own memory over NIXL; its engine's prefix cache answers
+        first), and all of them when it reads nothing over NIXL (lent pages have no other way out)."""
+        no_nixl = self._nixl_staging is None
+        if not self.lends and not no_nixl:
             return match
         mine = (self.node, LENT_TIER)
         locations = []
         for locs in match.locations:
-            usable = tuple(loc for loc in locs if tuple(loc) != mine)
+            usable = tuple(loc for loc in locs if not (loc[1] == LENT_TIER and (no_nixl or tuple(loc) == mine)))
             if not usable:
                 break
             locations.append(usable)
@@ -244,6 +244,8 @@ class ClusterBlockStore:
         except (StorageError, ValueError) as exc:  # NIXL missing, or the actor is gone: the object store path
             log.warning("NIXL reader for %s/%s unavailable (%s): reading through the object store", node, tier, exc)
             self._no_nixl_until[loc] = time.monotonic() + NIXL_RETRY_S
+            self._actors.pop(loc, None)
+            self._forget_if_gone(node, tier)  # an engine that lent its pages may have exited
             return None
         self._in_place.add(loc)
         self._register_with(loc, self._readers[loc], self._regions)

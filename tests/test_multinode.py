@@ -72,14 +72,15 @@ def wait_for(fn, timeout: float = 30.0):
     raise AssertionError("condition not reached")
 
 
-def replica_store(slot_bytes: int):
+def replica_store(slot_bytes: int, **options):
     """A replica's fetch path on node "h" (kvcluster.serve_apps.cluster_store), its own hbm empty."""
     from kvcluster.serve_apps.cluster_store import ClusterBlockStore
     from kvcluster.serving.block_store import LocalBlockStore
     from kvcluster.storage import hbm_backend
     from kvcluster.storage.tiered import TieredStore
 
-    return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, slot_bytes)], slot_bytes)), "h", timeout_s=10)
+    return ClusterBlockStore(LocalBlockStore(TieredStore([hbm_backend(8, slot_bytes)], slot_bytes)), "h", timeout_s=10,
+                             **options)
 
 
 def fetch_into_pages(store, data: list[np.ndarray], targets: tuple[int, ...]) -> set[int]:
@@ -299,6 +300,10 @@ def test_an_engines_lent_pages_are_read_from_another_node_and_forgotten_when_it_
 
     store = fresh_store()  # the reader's own engine's pages registered: read page to page from the lender's
     assert fetch_into_pages(store, data, (0, 3, 5, 1)) == {0, 1, 2, 3} and store.counters["lent_pages"] == 4
+    store = replica_store(1 << 15, nixl_staging_bytes=None)  # reads nothing over NIXL: lent pages are no copy to it
+    got = store.fetch(KEYS)
+    assert all(np.array_equal(g, d) for g, d in zip(got, data)) and len(got) == 4
+    assert (store.counters["lent_pages"], store.counters["second_copies"], store.counters["dram"]) == (0, 0, 4)
 
     ray.kill(lent_actor)  # the engine crashes: no retire, its agent gone with it
     lender.close()

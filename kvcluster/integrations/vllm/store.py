@@ -62,7 +62,8 @@ class ClusterLink(BaseModel):
                                                                    "tiers; null reads them through Ray's object store")
     lend_paged_kv: bool = Field(True, description="lend this engine's paged KV as the node's hbm tier: other "
                                                   "nodes read its blocks straight from its pages over NIXL (one "
-                                                  "engine per node, one worker; see `lending.py`)")
+                                                  "engine per node; with tensor parallelism each worker lends its "
+                                                  "shards; see `lending.py`)")
 
 
 class ConnectorConfig(BaseModel):
