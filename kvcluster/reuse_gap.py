@@ -57,6 +57,7 @@ class GapModel:
         self.reached = [[0.0] * k for _ in range(classes)]
         self.reused = [[0.0] * k for _ in range(classes)]
         self._reuse_only: set[int] = set()  # see `note_reuse_row`
+        self._horizon_ends: dict[int, np.ndarray] = {}  # horizon bin -> the bin each age's life is cut after
 
     def hazards(self, cls: int) -> list[float]:
         """Posterior mean hazard per bin for one class, shrunk to the pooled hazard."""
@@ -159,14 +160,19 @@ class GapModel:
         adds them."""
         k_bins = self.config.bins
         n = h.shape[0]
-        surv = np.ones((n, k_bins + 1))  # survival to the start of each bin
-        np.cumprod(1.0 - h, axis=1, out=surv[:, 1:])
-        # suffix sums from the last bin down; a block reused within bin i holds half the bin on average
+        surv = np.ones((n, k_bins))  # survival to the start of each bin
+        np.cumprod(1.0 - h[:, :-1], axis=1, out=surv[:, 1:])
+        # suffix sums from the last bin down (one trailing zero column); a block reused within bin i holds half
+        # the bin on average
+        used = surv * h
         hits = np.zeros((n, k_bins + 1))
-        hits[:, :k_bins] = np.cumsum((surv[:, :-1] * h)[:, ::-1], axis=1)[:, ::-1]
+        np.cumsum(used[:, ::-1], axis=1, out=hits[:, k_bins - 1::-1])
         time = np.zeros((n, k_bins + 1))
-        time[:, :k_bins] = np.cumsum((surv[:, :-1] * self._widths * (1.0 - 0.5 * h))[:, ::-1], axis=1)[:, ::-1]
-        ends = np.minimum(np.maximum(np.arange(k_bins), horizon_bin) + 1, k_bins)
+        held = surv * self._widths * (1.0 - 0.5 * h)
+        np.cumsum(held[:, ::-1], axis=1, out=time[:, k_bins - 1::-1])
+        ends = self._horizon_ends.get(horizon_bin)
+        if ends is None:
+            ends = self._horizon_ends[horizon_bin] = np.minimum(np.maximum(np.arange(k_bins), horizon_bin) + 1, k_bins)
         num = hits[:, :k_bins] - hits[:, ends]
         den = time[:, :k_bins] - time[:, ends]
         return np.divide(num, den, out=np.zeros_like(num), where=den > 0)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from kvcluster.block_types import BlockType, TransitionType
 from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
-from kvcluster.policies.bayes import CLASSES, BayesPolicy, answer_bucket, class_of, describe_class, finish_index
+from kvcluster.policies.bayes import (CLASSES, REQUEST_CLASSES, SHARED_PREFIX, BayesPolicy, answer_bucket, class_of,
+                                      describe_class, finish_index)
 
 
 def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType.APPEND,
@@ -30,7 +31,8 @@ def test_class_layout_round_trips() -> None:
     assert describe_class(class_of(1, 3, finish_index("tool_use", 600)))["finish"] == "long tool call"
     assert [answer_bucket(n) for n in (0, 1, 31, 32, 255, 256)] == [0, 1, 1, 2, 2, 3]
     assert sorted(class_of(t, s, f, a) for t in range(4) for s in range(4) for f in range(4)
-                  for a in range(4)) == list(range(CLASSES)) and CLASSES == 256
+                  for a in range(4)) == list(range(REQUEST_CLASSES)) and REQUEST_CLASSES == 256
+    assert describe_class(SHARED_PREFIX) == {"shared_prefix": True} and CLASSES == 257
 
 
 def test_how_an_answer_ended_tells_a_quick_return_from_a_long_wait() -> None:
@@ -123,6 +125,49 @@ def test_capacity_zero_holds_nothing() -> None:
 def test_invariants(capacity, token_runs, gap) -> None:
     check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs,
                      lambda i, blocks: ctx(i, len(blocks), i * gap, session=str(i % 3)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 12), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=40),
+       st.floats(0.1, 50.0), st.integers(0, 4))
+def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead) -> None:
+    # the first `lead` blocks of every request are a shared prefix: a group of its own, tied to the rest
+    def typed(i, blocks):
+        types = [int(BlockType.SYSTEM)] * min(lead, len(blocks)) + [int(BlockType.HISTORY)] * max(0, len(blocks) - lead)
+        return RequestContext(index=i, now=i * gap, block_types=types, transition=int(TransitionType.APPEND),
+                              session=str(i % 3))
+    check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs, typed)
+
+
+def system_ctx(i: int, session: str, now: float, shared: int, n: int, finish: str = "end_turn") -> RequestContext:
+    types = (int(BlockType.SYSTEM),) * shared + (int(BlockType.HISTORY),) * (n - shared)
+    return RequestContext(index=i, now=now, block_types=types, transition=int(TransitionType.FIRST), session=session,
+                          finish=finish)
+
+
+def test_a_shared_prefix_is_classed_apart_from_the_sessions_that_use_it() -> None:
+    # Every 5 s a new session asks on the same 2-block system prompt and never comes back: the prompt is reused
+    # within seconds, each session's own blocks never. One class per request would give both the same figure.
+    policy = BayesPolicy(capacity=10_000, refresh_requests=1)
+    for k in range(80):
+        policy.access([1, 2] + [1000 + 10 * k + j for j in range(3)], system_ctx(k, f"s{k}", 5.0 * k, 2, 5))
+    p = policy.predict_within([1, 2, 7, 8, 9], system_ctx(80, "new", 400.0, 2, 5), 10.0)
+    assert p[0] == p[1] > 0.9 and p[2] == p[3] == p[4] < 0.1
+
+
+def test_a_request_s_own_blocks_leave_before_the_shared_prefix_they_hang_on() -> None:
+    # Sessions on one system prompt, each back once 30 s later; the cache holds less than one request. Whatever
+    # the classes' densities say, a request's own blocks never outlive the shared prefix they follow.
+    policy = BayesPolicy(capacity=5, refresh_requests=1)
+    i, now = 0, 0.0
+    for k in range(40):
+        blocks = [1, 2] + [1000 + 10 * k + j for j in range(4)]
+        for extra, finish in ((0, "tool_use"), (1, "end_turn")):
+            policy.access(blocks + [1005 + 10 * k] * extra, system_ctx(i, f"s{k}", now, 2, 6 + extra, finish))
+            resident = [b in policy for b in blocks]
+            assert resident == sorted(resident, reverse=True)
+            policy.check_integrity()
+            i, now = i + 1, now + 30.0
 
 
 def test_a_first_answer_s_length_tells_a_conversation_that_goes_on_from_one_that_ends() -> None:
