@@ -89,8 +89,9 @@ class OracleWhen(BayesPolicy):
     def __init__(self, capacity: int, **options) -> None:
         super().__init__(capacity, **options)
         buckets = len(WHEN_EDGES_S) + 2
-        self.model = GapModel(buckets * _NT, self.model.config)
-        self._queues = [deque() for _ in range(buckets * _NT)]
+        self._shared_class = buckets * _NT  # a shared prefix keeps a class of its own, as in `bayes`
+        self.model = GapModel(buckets * _NT + 1, self.model.config)
+        self._queues = [deque() for _ in range(buckets * _NT + 1)]
         self._hazards = self.model.all_hazards()
         self._dens = self.model.densities(self._lastbin, self._hazards)
 

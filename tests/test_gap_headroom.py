@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from gap_headroom import OracleNext, next_session_gaps  # noqa: E402
+from gap_headroom import OracleNext, OracleWhen, next_session_gaps  # noqa: E402
 
 from kvcluster.policies.base import RequestContext  # noqa: E402
 from kvcluster.policies.registry import POLICIES, register  # noqa: E402
@@ -61,3 +61,15 @@ def test_on_conversations_that_own_their_blocks_it_is_belady(registered):
     for capacity in (2, 3, 4, 5):
         plan = [TierPlan("hbm", capacity)]
         assert replay(CONVERSATIONS, "oracle-next", plan).hit_rate == replay(CONVERSATIONS, "belady", plan).hit_rate
+
+
+def test_oracle_when_keeps_a_class_for_shared_prefixes_too():
+    # every block here is typed SYSTEM: each request is one shared-prefix group, in the oracle's own extra class
+    OracleWhen.gaps = next_session_gaps(CONVERSATIONS)
+    oracle = OracleWhen(4, refresh_requests=1)
+    for i, blocks in enumerate(CONVERSATIONS.blocks):
+        ctx = RequestContext(index=i, now=CONVERSATIONS.arrivals[i], block_types=CONVERSATIONS.types[i],
+                             session=CONVERSATIONS.sessions[i])
+        oracle.access(blocks, ctx)
+        oracle.check_integrity()
+    assert oracle.model.reached[oracle._shared_class][0] == sum(len(set(b)) for b in CONVERSATIONS.blocks)

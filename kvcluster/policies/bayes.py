@@ -164,6 +164,7 @@ class BayesPolicy(EvictionPolicy):
         self._gnext: list[int] = []  # per group: the next age bin it is to be counted in
         self._ends: dict[int, tuple[tuple, float]] = {}  # eviction candidates kept while their age bin holds
         self._tails: dict[int, int] = {}  # group of a shared prefix -> the group of the rest of its request
+        self._shared_class = SHARED_PREFIX
 
     def __contains__(self, block: int) -> bool:
         return self._last.get(block, -1) >= 0
@@ -254,7 +255,8 @@ class BayesPolicy(EvictionPolicy):
         p_own = self.model.p_reuse_within(cls, 0.0, horizon_s, self._hazards[cls])
         if not lead:
             return [p_own] * n
-        p_shared = self.model.p_reuse_within(SHARED_PREFIX, 0.0, horizon_s, self._hazards[SHARED_PREFIX])
+        shared = self._shared_class
+        p_shared = self.model.p_reuse_within(shared, 0.0, horizon_s, self._hazards[shared])
         return [p_shared] * lead + [p_own] * (n - lead)
 
     # -- the policy -------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ class BayesPolicy(EvictionPolicy):
         lead = shared_lead(ctx.block_types, n) if ctx.block_types else 0
         start = len(gtime)
         if lead:  # group `start` takes the shared prefix, `start + 1` the rest of the request
-            segments = ((start, SHARED_PREFIX, blocks[:lead]), (start + 1, cls, blocks[lead:]))
+            segments = ((start, self._shared_class, blocks[:lead]), (start + 1, cls, blocks[lead:]))
         else:
             segments = ((start, cls, blocks),)
         run_old, run_n = -1, 0
@@ -394,7 +396,7 @@ class BayesPolicy(EvictionPolicy):
         heapq.heapify(heads)
         evicted: list[int] = []
         get, add = last.get, evicted.append
-        tails = self._tails
+        tails, shared_class = self._tails, self._shared_class
         ages = 0.0
         while need > 0 and heads:
             _, t, c, gid, side = heapq.heappop(heads)
@@ -402,7 +404,7 @@ class BayesPolicy(EvictionPolicy):
             if not q or (q[-1] if side else q[0]) != gid:
                 continue  # that end moved since: the other end of the class took it
             members = gblocks[gid]
-            if c == SHARED_PREFIX and gid in tails:
+            if c == shared_class and gid in tails:
                 while members and get(members[-1]) != gid:  # used again since: not this group's to evict
                     members.pop()
                 if members:  # the prefix is about to break: the rest of its request goes first
