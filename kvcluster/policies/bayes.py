@@ -75,6 +75,7 @@ REQUEST_CLASSES = SESSION_BUCKETS * _NT * len(FINISHES) * len(ANSWER_LENGTHS)
 SHARED_PREFIX = REQUEST_CLASSES  # the class of a request's leading blocks that other sessions share too
 CLASSES = REQUEST_CLASSES + 1
 _SYSTEM = int(BlockType.SYSTEM)
+assert _SYSTEM == 0, "shared_lead counts leading zero bytes"
 
 
 def session_bucket(gap_s: float | None) -> int:
@@ -104,11 +105,8 @@ def shared_lead(block_types: Sequence[int], n: int) -> int:
     prompt). Their reuse waits for any session of that prefix, not for this one's next turn."""
     if not block_types or block_types[0] != _SYSTEM:
         return 0
-    m = min(n, len(block_types))
-    lead = 1
-    while lead < m and block_types[lead] == _SYSTEM:
-        lead += 1
-    return lead
+    head = bytes(block_types[:n])  # small ints, SYSTEM being 0: the run is what lstrip takes off
+    return len(head) - len(head.lstrip(b"\0"))
 
 
 def class_of(transition: int, session: int = 0, finish: int = 0, answer: int = 0) -> int:
