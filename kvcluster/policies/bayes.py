@@ -410,6 +410,8 @@ class BayesPolicy(EvictionPolicy):
                     ages += tail_ages
                     if need <= 0:
                         break
+                else:  # its blocks all moved on: the group goes, its tail is no longer tied to it
+                    del tails[gid]
             before = need
             pop, gone = members.pop, ~gid
             while members and need > 0:
@@ -478,3 +480,4 @@ class BayesPolicy(EvictionPolicy):
             assert g in queued and b in self._gblocks[g], f"resident block {b} is not queued"
         assert all(q or c not in self._active for c, q in enumerate(self._queues))
         assert all(c in self._active for c, q in enumerate(self._queues) if q)
+        assert all(g in queued for g in self._tails), "a shared prefix that left is still tied to a tail"
