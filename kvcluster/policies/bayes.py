@@ -28,23 +28,24 @@ SHARED_PREFIX: its next use is any session's, not this one's next turn (on the
 shared traces it took Claude Code from 55/43/49% of the gap to 64/52/54% and
 SWE-agent from 48/78/81% to 67/79/86%). The rest of the request is tied to it:
 when the prefix is to leave, what follows it goes first, as it cannot hit
-without it. Groups of a class queue in use order. Candidates are the oldest group of every class (density falling with
-age: the class is done) and the newest (density rising with age: the class
-comes back after a gap, so the freshest is the one not worth its wait; this is
-the bypass Belady makes on conversation traffic, where LRU thrashes). A group
-gives up its blocks deepest first.
+without it. Groups of a class queue in use order. Candidates are the oldest
+group of every class (density falling with age: the class is done) and the
+newest (density rising with age: the class comes back after a gap, so the
+freshest is the one not worth its wait; this is the bypass Belady makes on
+conversation traffic, where LRU thrashes). A group gives up its blocks deepest
+first.
 
-Why classes are per request (and its shared prefix) and not per block: a prefix hit needs every block
-before it. Classing blocks by their own type or use count split a request into
-groups that left at different times, often the prefix first; on the shared
-traces that lost most of the gain (ShareGPT 2%: 0.064 against 0.173). With one
-class per request, a request's blocks leave deepest first, so what remains of
-the group is always a prefix of it. Across requests it can break: a prefix that
-a later request shared now belongs to that request's group and may leave before
-the older request's own suffix (still in the older group), which is then an
-orphan until its group's turn comes. Tracking parents to prevent it would cost
-a dict per block; on the shared traces the per-request order already closes
-75-85% of the gap where conversations dominate.
+Why classes are per request (and its shared prefix) and not per block: a prefix
+hit needs every block before it. Classing blocks by their own type or use count
+split a request into groups that left at different times, often the prefix
+first; on the shared traces that lost most of the gain (ShareGPT 2%: 0.064
+against 0.173). With one class per request, a request's blocks leave deepest
+first, so what remains of the group is always a prefix of it. Across requests it
+can break: a prefix that a later request shared now belongs to that request's
+group and may leave before the older request's own suffix (still in the older
+group), which is then an orphan until its group's turn comes. Tracking parents
+to prevent it would cost a dict per block; on the shared traces the per-request
+order already closes 75-85% of the gap where conversations dominate.
 
 Cost: one dict write per block, one pass over the class ends per request that
 evicts, O(log classes) per victim group, and every `refresh_requests` requests
@@ -283,7 +284,8 @@ class BayesPolicy(EvictionPolicy):
         run_old, run_n = -1, 0
         new = 0
         get = last.get
-        gnext, reached, gblocks, queues, active = self._gnext, self.model.reached, self._gblocks, self._queues, self._active
+        gnext, reached, gblocks = self._gnext, self.model.reached, self._gblocks
+        queues, active = self._queues, self._active
         crossing = self._crossing[1]
         for gid, gclass, part in segments:
             members: list[int] = []
@@ -301,7 +303,8 @@ class BayesPolicy(EvictionPolicy):
                     if old != run_old:
                         if run_n:
                             gap = now - gtime[run_old]
-                            reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
+                            k = 0 if gap < base else min(int(gap / base).bit_length(), lastbin)
+                            reused[gcls[run_old]][k] += run_n
                             settle(run_old, run_n)
                             galive[run_old] -= run_n
                         run_old, run_n = old, 0
