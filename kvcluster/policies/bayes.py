@@ -19,7 +19,8 @@ posteriors pooled across classes), counting reuses of blocks that were evicted
 too, so what it learns does not depend on what the cache kept. From it follows
 the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
 cache held, given the age, up to a horizon of `horizon_factor` x the mean age of
-recent victims.
+recent victims (6 by default: on the shared traces 5-10 all closed more of the
+gap than 4, at Claude Code 5% 54-55% against 52%, and 16 closed less).
 
 All blocks of one request form a group, but for a leading run that other
 sessions share (block type SYSTEM: a system prompt, or on hash-only traces a
@@ -135,7 +136,7 @@ class BayesPolicy(EvictionPolicy):
     name = "bayes"
 
     def __init__(self, capacity: int, gap_config: GapModelConfig | None = None, refresh_requests: int = 32,
-                 horizon_factor: float = 4.0) -> None:
+                 horizon_factor: float = 6.0) -> None:
         super().__init__(capacity)
         if refresh_requests < 1 or horizon_factor <= 0:
             raise ValueError("refresh_requests must be >= 1 and horizon_factor > 0")
