@@ -10,7 +10,7 @@ from kvcluster.block_types import BlockType, TransitionType
 from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.bayes import (CLASSES, REQUEST_CLASSES, SHARED_PREFIX, BayesPolicy, answer_bucket, class_of,
-                                      describe_class, finish_index)
+                                      describe_class, finish_index, shared_lead)
 
 
 def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType.APPEND,
@@ -137,6 +137,16 @@ def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead) -> Non
         return RequestContext(index=i, now=i * gap, block_types=types, transition=int(TransitionType.APPEND),
                               session=str(i % 3))
     check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs, typed)
+
+
+def test_shared_lead_counts_the_leading_system_blocks_of_any_sequence() -> None:
+    import numpy as np
+    S, H = int(BlockType.SYSTEM), int(BlockType.HISTORY)
+    for kind in (tuple, list, lambda t: np.array(t, dtype=np.int64)):
+        assert shared_lead(kind((S, S, H, S)), 4) == 2
+        assert shared_lead(kind((S, S, S)), 2) == 2  # only the request's first n blocks
+        assert shared_lead(kind((H, S)), 2) == 0
+    assert shared_lead((), 3) == 0
 
 
 def system_ctx(i: int, session: str, now: float, shared: int, n: int, finish: str = "end_turn") -> RequestContext:

@@ -105,9 +105,9 @@ def shared_lead(block_types: Sequence[int], n: int) -> int:
     """How many of a request's first `n` blocks, from the start, are typed SYSTEM: a prefix other sessions
     share (hash-only traces: seen in another session; traces with roles, and served chats: the system
     prompt). Their reuse waits for any session of that prefix, not for this one's next turn."""
-    if not block_types or block_types[0] != _SYSTEM:
+    if len(block_types) == 0 or block_types[0] != _SYSTEM:
         return 0
-    head = bytes(block_types[:n])  # small ints, SYSTEM being 0: the run is what lstrip takes off
+    head = bytes(tuple(block_types[:n]))  # one byte per type (an array's buffer would give several), SYSTEM is 0
     return len(head) - len(head.lstrip(b"\0"))
 
 
@@ -251,7 +251,7 @@ class BayesPolicy(EvictionPolicy):
         if not n:
             return []
         cls = self._session_class(ctx, remember=False)
-        lead = shared_lead(ctx.block_types, n) if ctx.block_types else 0
+        lead = shared_lead(ctx.block_types, n)
         p_own = self.model.p_reuse_within(cls, 0.0, horizon_s, self._hazards[cls])
         if not lead:
             return [p_own] * n
@@ -276,7 +276,7 @@ class BayesPolicy(EvictionPolicy):
         last, gtime, gcls, galive = self._last, self._gtime, self._gcls, self._galive
         reused, settle = self.model.reused, self._settle
         base, lastbin = self._base, self._lastbin
-        lead = shared_lead(ctx.block_types, n) if ctx.block_types else 0
+        lead = shared_lead(ctx.block_types, n)
         start = len(gtime)
         if lead:  # group `start` takes the shared prefix, `start + 1` the rest of the request
             segments = ((start, self._shared_class, blocks[:lead]), (start + 1, cls, blocks[lead:]))
