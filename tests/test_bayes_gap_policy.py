@@ -103,6 +103,33 @@ def test_conversations_that_return_after_a_fixed_gap_are_kept_newest_out() -> No
     assert hits == total // 3  # every turn the two conversations it kept come back: 2 of 6 served from cache
 
 
+def test_fresh_groups_let_go_at_once_do_not_shorten_the_horizon() -> None:
+    # Conversations start 5 s apart, each of 1-10 turns 30 s apart, every turn 8 new blocks on its context;
+    # the cache holds 2% of them. The policy lets the freshest turns go (they wait 30 s) and keeps the ones due
+    # soon. Were those fresh victims' ages (about 0 s) taken for how long a block lasts, the horizon would fall
+    # under one turn gap, the return at 30 s would drop out of the densities and the bypass would run away.
+    turns, block = [], 0
+    for conv in range(300):
+        context: list[int] = []
+        for turn in range(1 + conv * 7 % 10):
+            context = context + list(range(block, block + 8))
+            block += 8
+            turns.append((conv * 5.0 + turn * 30.0, str(conv), context, TransitionType.APPEND if turn else
+                          TransitionType.FIRST))
+    turns.sort(key=lambda t: t[0])
+    policy = BayesPolicy(capacity=round(0.02 * block))
+    hits = total = 0
+    horizons = []
+    for i, (now, session, blocks, transition) in enumerate(turns):
+        hits += policy.prefix_hits(blocks)
+        total += len(blocks)
+        policy.access(blocks, ctx(i, len(blocks), now, session=session, transition=transition))
+        if i >= len(turns) // 4:
+            horizons.append(policy.horizon_s)
+    assert min(horizons) >= 6 * 30.0  # 6x the age of a kept group: above one turn gap throughout
+    assert hits >= 0.16 * total  # 0.1326 when the fresh victims counted
+
+
 def test_a_request_leaves_deepest_first() -> None:
     policy = BayesPolicy(capacity=6)
     policy.access([1, 2, 3, 4, 5], ctx(0, 5, 0.0, session="a"))
