@@ -6,6 +6,13 @@ no default was chosen by:
 
 - `sharegpt-unseen`: the ShareGPT entries after the first 1,000 (`hit_rate.py`
   tokenizes only those), from the first whole conversation on;
+- `sharegpt-unseen-random-gaps`: the same conversations with times a text
+  trace does not have drawn at random (seeded): conversations start as a Poisson
+  process (one every 5 s on average, as the loader spaces them) and a turn
+  follows the one before after a log-normal think time (median 30 s, the
+  loader's fixed gap; sigma 1). The loader's fixed gaps tell exactly when a
+  conversation comes back; real traffic (the Mooncake conversation trace) does
+  not, so this is the harder and likelier case;
 - `claude-code-even` / `claude-code-odd`: the Claude Code sessions split in two
   by file order. Both halves were part of the tuning set, merged; alone, each is
   a trace of another mix and size (how much a held-out set of 43 sessions may
@@ -22,16 +29,19 @@ closes, or with `--json` only the report, as JSON, on stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from kvcluster.paths import shared_data_dir
-from kvcluster.simulator import TierPlan, prepare, replay
+from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
 from kvcluster.traces import load_trace
+from kvcluster.traces.text import SESSION_GAP_S, TURN_GAP_S
 
 FRACTIONS = (0.02, 0.05, 0.10)
 TUNED_SHAREGPT_ENTRIES = 1000  # what hit_rate.py tokenizes by default
@@ -56,6 +66,33 @@ def unseen_sharegpt(source: Path, out: Path) -> Path:
     return out
 
 
+def with_random_gaps(trace: PreparedTrace, seed: int = 1) -> PreparedTrace:
+    """`trace` with Poisson conversation starts (mean SESSION_GAP_S apart) and log-normal gaps between turns
+    (median TURN_GAP_S, sigma 1), each conversation's order kept; requests re-sorted by the new times."""
+    rng = random.Random(seed)
+    turns: dict[str, list[int]] = {}
+    for i, session in enumerate(trace.sessions):
+        turns.setdefault(session, []).append(i)
+    when = [0.0] * trace.requests
+    start = 0.0
+    for requests in turns.values():  # in order of first arrival
+        start += rng.expovariate(1.0 / SESSION_GAP_S)
+        t = start
+        for j, i in enumerate(requests):
+            t += TURN_GAP_S * math.exp(rng.gauss(0.0, 1.0)) if j else 0.0
+            when[i] = t
+    order = sorted(range(trace.requests), key=when.__getitem__)
+
+    def pick(values: tuple) -> tuple:
+        return tuple(values[i] for i in order) if values else values
+
+    return dataclasses.replace(trace, name=f"{trace.name} (random gaps)", arrivals=tuple(when[i] for i in order),
+                               blocks=pick(trace.blocks), types=pick(trace.types),
+                               transitions=pick(trace.transitions), input_tokens=pick(trace.input_tokens),
+                               sessions=pick(trace.sessions), finishes=pick(trace.finishes),
+                               output_tokens=pick(trace.output_tokens))
+
+
 def claude_code_half(source: Path, out: Path, parity: int) -> Path:
     """Link every other session file of `source` (by name; `parity` 0 or 1) into the directory `out`."""
     out.mkdir()
@@ -76,17 +113,20 @@ def main() -> int:
         print("|---|---|---|" + "---|" * (len(POLICIES) + 2))
     with tempfile.TemporaryDirectory(prefix="kvcluster-unseen-") as tmp:
         tmp_dir = Path(tmp)
+        sharegpt = unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl", tmp_dir / "sharegpt.jsonl")
+        unseen = prepare(load_trace(str(sharegpt)))
         traces = [
-            ("sharegpt-unseen", unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl",
-                                                tmp_dir / "sharegpt.jsonl")),
-            ("claude-code-even", claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-even", 0)),
-            ("claude-code-odd", claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-odd", 1)),
+            ("sharegpt-unseen", lambda: unseen),
+            ("sharegpt-unseen-random-gaps", lambda: with_random_gaps(unseen)),
+            ("claude-code-even", lambda: prepare(load_trace(str(
+                claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-even", 0))))),
+            ("claude-code-odd", lambda: prepare(load_trace(str(
+                claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-odd", 1))))),
         ]
-        for label, path in traces:
-            t0 = time.perf_counter()
-            prepared = prepare(load_trace(str(path)))
+        for label, load in traces:
+            prepared = load()
             print(f"{label}: {prepared.requests} requests, {prepared.block_refs} refs, {prepared.unique_blocks} "
-                  f"unique, loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                  "unique", file=sys.stderr)
             for frac in FRACTIONS:
                 cap = max(1, round(frac * prepared.unique_blocks))
                 rates = {p: replay(prepared, p, [TierPlan("hbm", cap)]).hit_rate for p in POLICIES}

@@ -1,0 +1,49 @@
+"""benchmarks/hit_rate_unseen.py: what it scores is data no default was tuned on, and random gaps keep each
+conversation's order."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from hit_rate_unseen import TUNED_SHAREGPT_ENTRIES, claude_code_half, unseen_sharegpt, with_random_gaps  # noqa: E402
+
+from kvcluster.simulator import PreparedTrace  # noqa: E402
+
+
+def test_unseen_sharegpt_starts_at_the_first_conversation_wholly_after_the_tuned_entries(tmp_path) -> None:
+    ids = [f"c{i}_0" for i in range(TUNED_SHAREGPT_ENTRIES - 1)] + ["x_0", "x_1", "x_2", "y_0", "z_0", "z_1"]
+    source = tmp_path / "sharegpt.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "conversations": []}) + "\n" for i in ids))
+    out = unseen_sharegpt(source, tmp_path / "unseen.jsonl")
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["y_0", "z_0", "z_1"]
+
+
+def test_random_gaps_keep_each_conversation_in_order_and_its_blocks_as_they_were() -> None:
+    requests = [(5.0 * k + 30.0 * t, f"s{k}", tuple(range(100 * k, 100 * k + t + 1))) for k in range(20)
+                for t in range(1 + k % 4)]
+    requests.sort(key=lambda r: r[0])
+    trace = PreparedTrace(name="t", block_size=16, blocks=tuple(b for _, _, b in requests),
+                          types=tuple((2,) * len(b) for _, _, b in requests), transitions=(1,) * len(requests),
+                          arrivals=tuple(t for t, _, _ in requests), input_tokens=(16,) * len(requests),
+                          sessions=tuple(s for _, s, _ in requests), unique_blocks=100)
+    timed = with_random_gaps(trace, seed=3)
+    assert list(timed.arrivals) == sorted(timed.arrivals) and timed.arrivals != trace.arrivals
+    assert sorted(zip(timed.sessions, timed.blocks)) == sorted(zip(trace.sessions, trace.blocks))
+    for session in set(trace.sessions):
+        mine = [b for s, b in zip(timed.sessions, timed.blocks) if s == session]
+        assert mine == sorted(mine, key=len)  # each turn extends the one before, in the order they came
+    assert with_random_gaps(trace, seed=3) == timed  # seeded: the same times every run
+
+
+def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
+    source = tmp_path / "traces"
+    source.mkdir()
+    for name in ("trace_0003.json", "trace_0001.json", "trace_0002.json"):
+        (source / name).write_text("{}")
+    assert sorted(p.name for p in claude_code_half(source, tmp_path / "even", 0).iterdir()) == [
+        "trace_0001.json", "trace_0003.json"]
+    assert [p.name for p in claude_code_half(source, tmp_path / "odd", 1).iterdir()] == ["trace_0002.json"]
