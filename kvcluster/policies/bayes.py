@@ -50,8 +50,8 @@ first, so what remains of the group is always a prefix of it. Across requests it
 can break: a prefix that a later request shared now belongs to that request's
 group and may leave before the older request's own suffix (still in the older
 group), which is then an orphan until its group's turn comes. Tracking parents
-to prevent it would cost a dict per block; the per-request
-order already closes 98% of the gap on ShareGPT, where conversations own their blocks.
+to prevent it would cost a dict per block; the per-request order already closes
+98% of the gap on ShareGPT, where conversations own their blocks.
 
 Cost: one dict write per block, one pass over the class ends per request that
 evicts, O(log classes) per victim group, and every `refresh_requests` requests
