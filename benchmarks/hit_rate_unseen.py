@@ -38,30 +38,37 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hit_rate import SHAREGPT_RECORDS as TUNED_SHAREGPT_ENTRIES
+
+from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
 from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
 from kvcluster.traces import load_trace
+from kvcluster.traces.records import require_path
+from kvcluster.traces.sharegpt import root_id
 from kvcluster.traces.text import SESSION_GAP_S, TURN_GAP_S
 
 FRACTIONS = (0.02, 0.05, 0.10)
-TUNED_SHAREGPT_ENTRIES = 1000  # what hit_rate.py tokenizes by default
 CLASSICAL = ("lru", "arc", "s3fifo", "sieve")
 POLICIES = (*CLASSICAL, "bayes", "belady")
 
 
 def _root(line: str) -> str:
-    """A ShareGPT entry's conversation: its id without the last `_N` (the parts of one conversation)."""
-    return json.loads(line)["id"].rsplit("_", 1)[0]
+    """The conversation a ShareGPT line belongs to (its parts share a root id)."""
+    try:
+        return root_id(str(json.loads(line)["id"]))
+    except (ValueError, KeyError, TypeError) as err:
+        raise TraceError(f"a ShareGPT line without an id: {line[:80]!r}") from err
 
 
 def unseen_sharegpt(source: Path, out: Path) -> Path:
     """Write the entries after the tuned ones to `out`, from the first whole conversation on."""
-    lines = source.read_text().splitlines(keepends=True)
+    lines = require_path(source).read_text().splitlines(keepends=True)
     start = TUNED_SHAREGPT_ENTRIES
     while start < len(lines) and _root(lines[start]) == _root(lines[start - 1]):
         start += 1  # the conversation that straddles the cut was (partly) seen
     if start >= len(lines):
-        raise SystemExit(f"{source} has no conversation after its first {TUNED_SHAREGPT_ENTRIES} entries")
+        raise TraceError(f"{source} has no conversation after its first {TUNED_SHAREGPT_ENTRIES} entries")
     out.write_text("".join(lines[start:]))
     return out
 
@@ -95,20 +102,20 @@ def with_random_gaps(trace: PreparedTrace, seed: int = 1) -> PreparedTrace:
 
 def claude_code_half(source: Path, out: Path, parity: int) -> Path:
     """Link every other session file of `source` (by name; `parity` 0 or 1) into the directory `out`."""
+    sessions = sorted(require_path(source).glob("*.json"))
+    if len(sessions) < 2:
+        raise TraceError(f"{source} holds {len(sessions)} session files: two halves need two or more")
     out.mkdir()
-    for i, f in enumerate(sorted(source.glob("*.json"))):
-        if i % 2 == parity:
-            os.symlink(f, out / f.name)
+    for f in sessions[parity::2]:
+        os.symlink(f, out / f.name)
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print only the report, as JSON, on stdout")
-    args = parser.parse_args()
+def _run(quiet: bool) -> list[dict]:
+    """Score every policy on the unseen traces; print the table unless `quiet`. Returns the report's rows."""
     data = shared_data_dir()
     report = []
-    if not args.json:
+    if not quiet:
         print("| trace | capacity | blocks | " + " | ".join(POLICIES) + " | bayes gap closed | bayes >= best classical |")
         print("|---|---|---|" + "---|" * (len(POLICIES) + 2))
     with tempfile.TemporaryDirectory(prefix="kvcluster-unseen-") as tmp:
@@ -135,11 +142,23 @@ def main() -> int:
                 best = max(rates[p] for p in CLASSICAL)
                 report.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
                                "bayes_gap_closed": closed, "bayes_at_least_best_classical": rates["bayes"] >= best})
-                if not args.json:
+                if not quiet:
                     cells = " | ".join(f"{rates[p]:.4f}" for p in POLICIES)
                     shown = "n/a (gap < 0.005)" if closed is None else f"{closed:.0%}"
                     print(f"| {label} | {frac:.0%} | {cap:,} | {cells} | {shown} | "
                           f"{'yes' if rates['bayes'] >= best else 'no'} |", flush=True)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the report, as JSON, on stdout")
+    args = parser.parse_args()
+    try:
+        report = _run(args.json)
+    except TraceError as err:
+        print(f"hit_rate_unseen: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=1))
     return 0

@@ -126,7 +126,7 @@ def test_fresh_groups_let_go_at_once_do_not_shorten_the_horizon() -> None:
         policy.access(blocks, ctx(i, len(blocks), now, session=session, transition=transition))
         if i >= len(turns) // 4:
             horizons.append(policy.horizon_s)
-    assert min(horizons) >= 6 * 30.0  # 6x the age of a kept group: above one turn gap throughout
+    assert min(horizons) >= 6 * 30.0  # 6x how long a kept group lasts, which is at least one turn gap
     assert hits >= 0.16 * total  # 0.1326 when the fresh victims counted
 
 

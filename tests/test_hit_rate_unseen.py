@@ -4,6 +4,8 @@ conversation's order."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +49,11 @@ def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
     assert sorted(p.name for p in claude_code_half(source, tmp_path / "even", 0).iterdir()) == [
         "trace_0001.json", "trace_0003.json"]
     assert [p.name for p in claude_code_half(source, tmp_path / "odd", 1).iterdir()] == ["trace_0002.json"]
+
+
+def test_missing_data_is_a_clear_error_not_a_traceback(tmp_path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "hit_rate_unseen.py"
+    run = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True,
+                         env={**os.environ, "KVCLUSTER_DATA": str(tmp_path)})
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip() == f"hit_rate_unseen: trace not found: {tmp_path}/sharegpt_v3/sharegpt_v3_subset.jsonl"

@@ -32,9 +32,9 @@ sessions share (block type SYSTEM: a system prompt, or on hash-only traces a
 prefix seen in another session), which forms a group of its own in the class
 SHARED_PREFIX: its next use is any session's, not this one's next turn (on the
 shared traces it took Claude Code from 55/43/49% of the gap to 64/52/54% and
-SWE-agent from 48/78/81% to 67/79/86%, horizon 4x). The rest of the request is tied to it:
-when the prefix is to leave, what follows it goes first, as it cannot hit
-without it. Groups of a class queue in use order. Candidates are the oldest
+SWE-agent from 48/78/81% to 67/79/86%, horizon 4x). The rest of the request is
+tied to it: when the prefix is to leave, what follows it goes first, as it
+cannot hit without it. Groups of a class queue in use order. Candidates are the oldest
 group of every class (density falling with age: the class is done) and the
 newest (density rising with age: the class comes back after a gap, so the
 freshest is the one not worth its wait; this is the bypass Belady makes on
