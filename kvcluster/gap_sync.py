@@ -13,7 +13,7 @@ last installed, so a node never adds its own past counts twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .reuse_gap import GapModel
 
@@ -22,14 +22,21 @@ Rows = list[list[float]]  # classes x age bins
 
 @dataclass
 class GapCounts:
-    """`reached` and `reused` counts, classes x bins (see `GapModel`)."""
+    """`reached` and `reused` counts, classes x bins, and `groups` per class (see `GapModel`)."""
 
     reached: Rows
     reused: Rows
+    groups: list[float] = field(default_factory=list)  # empty: none counted (totals from before they were)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [0.0] * len(self.reached)
+        if len(self.groups) != len(self.reached):
+            raise ValueError(f"{len(self.groups)} group counts for {len(self.reached)} classes")
 
     @classmethod
     def zeros(cls, classes: int, bins: int) -> "GapCounts":
-        return cls([[0.0] * bins for _ in range(classes)], [[0.0] * bins for _ in range(classes)])
+        return cls([[0.0] * bins for _ in range(classes)], [[0.0] * bins for _ in range(classes)], [0.0] * classes)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -42,17 +49,20 @@ class GapCounts:
             for row, add in zip(mine, theirs):
                 for k, v in enumerate(add):
                     row[k] += v
+        for c, v in enumerate(other.groups):
+            self.groups[c] += v
 
     def total_reached(self) -> float:
         """Block uses learnt from (every use enters bin 0)."""
         return sum(row[0] for row in self.reached) if self.reached else 0.0
 
     def to_dict(self) -> dict:
-        return {"reached": self.reached, "reused": self.reused}
+        return {"reached": self.reached, "reused": self.reused, "groups": self.groups}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GapCounts":
-        return cls([list(map(float, r)) for r in raw["reached"]], [list(map(float, r)) for r in raw["reused"]])
+        return cls([list(map(float, r)) for r in raw["reached"]], [list(map(float, r)) for r in raw["reused"]],
+                   list(map(float, raw.get("groups", ()))))
 
 
 class GapSync:
@@ -65,7 +75,8 @@ class GapSync:
     def delta(self) -> GapCounts:
         """Counts the model gained since the last `install` (or since it was built)."""
         return GapCounts([[m - b for m, b in zip(mr, br)] for mr, br in zip(self.model.reached, self._base.reached)],
-                         [[m - b for m, b in zip(mr, br)] for mr, br in zip(self.model.reused, self._base.reused)])
+                         [[m - b for m, b in zip(mr, br)] for mr, br in zip(self.model.reused, self._base.reused)],
+                         [m - b for m, b in zip(self.model.groups, self._base.groups)])
 
     def install(self, totals: GapCounts) -> None:
         """Make the model's counts the cluster's `totals` (in place: the policy holds references to the rows)."""
@@ -74,10 +85,11 @@ class GapSync:
         for mine, theirs in ((self.model.reached, totals.reached), (self.model.reused, totals.reused)):
             for row, new in zip(mine, theirs):
                 row[:] = new
+        self.model.groups[:] = totals.groups
         for cls, (reached, reused) in enumerate(zip(totals.reached, totals.reused)):
             if not reached[0] and any(reused):
                 self.model.note_reuse_row(cls)
-        self._base = GapCounts([list(r) for r in totals.reached], [list(r) for r in totals.reused])
+        self._base = GapCounts([list(r) for r in totals.reached], [list(r) for r in totals.reused], list(totals.groups))
 
 
 def sync_all(syncs: list[GapSync], merge) -> GapCounts | None:

@@ -8,10 +8,19 @@ Whether a block comes back is not enough to rank it; Belady wins by knowing
 - `reused[c][k]`: of those, the ones used again while their age was in bin k.
 
 The hazard h = P(used again in bin k | unused until bin k) has a Beta posterior
-whose prior is the pooled hazard of all classes at that bin (weight
-`prior_weight`), so a rare class borrows from the common ones and a new class
-starts from the population. Counts are updated in O(1) per reuse and per bin
-crossing of a whole request group, never per block per bin.
+whose prior is the pooled hazard of all classes at that bin, so a rare class
+borrows from the common ones and a new class starts from the population. Counts
+are updated in O(1) per reuse and per bin crossing of a whole request group,
+never per block per bin.
+
+The blocks of one request are used again together, so a thousand of them are
+one observation of when that request's session comes back, not a thousand: the
+evidence a class holds is its number of groups (`groups[c]`, a count per use of a
+group). The prior therefore weighs `prior_weight` groups of the class's mean
+size, which leaves a class's block-weighted estimate as it is but shrinks it
+towards the population as much as its few groups warrant (the design effect of
+cluster sampling). Counted per block instead, a handful of very large groups
+pinned the hazard of a rare class at ages nobody else had reached.
 
 From the hazards follow, for a block of class c at age a: P(reuse within t),
 the expected time it occupies the cache, and the LHD hit density (Beckmann et
@@ -32,7 +41,8 @@ class GapModelConfig(BaseModel):
 
     base_s: float = Field(0.5, gt=0, description="Upper edge of the first age bin; each later bin doubles.")
     bins: int = Field(22, ge=4, le=40, description="Number of age bins (the last one is open-ended).")
-    prior_weight: float = Field(2.0, gt=0, description="Pseudo-observations of the pooled hazard in every class.")
+    prior_weight: float = Field(1.0, gt=0, description="Pseudo-observations of the pooled hazard in every class, "
+                                "each a group of the class's mean size.")
 
 
 def age_bin(age: float, base: float, last: int) -> int:
@@ -56,6 +66,7 @@ class GapModel:
         self._widths = np.array(self.widths)
         self.reached = [[0.0] * k for _ in range(classes)]
         self.reused = [[0.0] * k for _ in range(classes)]
+        self.groups = [0.0] * classes  # groups of blocks used together, per class; 0: counted block by block
         self._reuse_only: set[int] = set()  # see `note_reuse_row`
         self._horizon_ends: dict[int, np.ndarray] = {}  # horizon bin -> the bin each age's life is cut after
 
@@ -92,6 +103,9 @@ class GapModel:
         seen = [c for c, row in enumerate(self.reached) if row[0]]
         reused_only = [self.reused[c] for c in self._reuse_only if not self.reached[c][0]]
         reached = np.array([self.reached[c] for c in seen]).reshape(len(seen), k)
+        groups = self.groups
+        # the prior weighs w groups of the class's mean size (blocks counted one by one: groups of 1)
+        w = w * np.array([self.reached[c][0] / groups[c] if groups[c] else 1.0 for c in seen]).reshape(len(seen), 1)
         reused_seen = np.array([self.reused[c] for c in seen]).reshape(len(seen), k)
         reused_all = reused_seen.sum(axis=0)
         if reused_only:

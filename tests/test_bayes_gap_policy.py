@@ -192,6 +192,20 @@ def test_a_shared_prefix_is_classed_apart_from_the_sessions_that_use_it() -> Non
     assert p[0] == p[1] > 0.9 and p[2] == p[3] == p[4] < 0.1
 
 
+def test_each_request_group_is_one_observation_of_its_class() -> None:
+    # 80 requests of 2 shared + 3 own blocks: 80 groups of 2 in the shared class, 80 groups of 3 in the
+    # sessions' class. A block repeated within a request counts once and makes no group of its own.
+    policy = BayesPolicy(capacity=10_000)
+    for k in range(80):
+        policy.access([1, 2] + [1000 + 10 * k + j for j in range(3)], system_ctx(k, f"s{k}", 5.0 * k, 2, 5))
+    own = policy._session_class(system_ctx(0, "new", 0.0, 2, 5), remember=False)
+    model = policy.model
+    assert (model.groups[SHARED_PREFIX], model.reached[SHARED_PREFIX][0]) == (80, 160)
+    assert (model.groups[own], model.reached[own][0]) == (80, 240) and sum(model.groups) == 160
+    policy.access([5, 5, 6], ctx(80, 3, 500.0, session="t"))
+    assert sum(model.groups) == 161 and sum(row[0] for row in model.reached) == 402
+
+
 def test_a_request_s_own_blocks_leave_before_the_shared_prefix_they_hang_on() -> None:
     # Sessions on one system prompt, each back once 30 s later; the cache holds less than one request. Whatever
     # the classes' densities say, a request's own blocks never outlive the shared prefix they follow.

@@ -33,7 +33,8 @@ class Totals:
 
 
 def counts(policy: BayesPolicy) -> GapCounts:
-    return GapCounts([list(r) for r in policy.model.reached], [list(r) for r in policy.model.reused])
+    return GapCounts([list(r) for r in policy.model.reached], [list(r) for r in policy.model.reused],
+                     list(policy.model.groups))
 
 
 def test_two_policies_end_with_the_sum_of_what_each_learnt_and_nothing_counts_twice() -> None:
@@ -44,6 +45,7 @@ def test_two_policies_end_with_the_sum_of_what_each_learnt_and_nothing_counts_tw
     expected.add(alone_a)
     expected.add(alone_b)
     assert alone_a.total_reached() == 9 and alone_b.total_reached() == 4  # block uses: 2+3+4 and 1+1+2
+    assert sum(alone_a.groups) == sum(alone_b.groups) == 3  # one group per request
     merge = Totals()
     syncs = [GapSync(a.model), GapSync(b.model)]
     sync_all(syncs, merge)
@@ -53,6 +55,7 @@ def test_two_policies_end_with_the_sum_of_what_each_learnt_and_nothing_counts_tw
     a.access([1, 2], RequestContext(index=9, now=20.0, session="s"))  # one more request on one node
     sync_all(syncs, merge)
     assert merge.totals.total_reached() == 9 + 4 + 2 and counts(b) == merge.totals
+    assert sum(merge.totals.groups) == 7 and b.model.groups == merge.totals.groups
     a.check_integrity()
 
 
@@ -72,3 +75,12 @@ def test_counts_of_another_shape_are_refused_and_round_trip_as_json() -> None:
     assert GapCounts.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="cannot join"):
         c.add(GapCounts.zeros(1, 1))
+
+
+def test_totals_saved_before_groups_were_counted_load_with_none() -> None:
+    c = counts(learnt([[1, 2], [1, 2]]))
+    old = {"reached": c.reached, "reused": c.reused}  # a checkpoint without group counts
+    loaded = GapCounts.from_dict(old)
+    assert loaded.groups == [0.0] * len(c.reached) and loaded.reached == c.reached
+    with pytest.raises(ValueError, match="group counts"):
+        GapCounts(c.reached, c.reused, [1.0])

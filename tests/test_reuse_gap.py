@@ -23,6 +23,19 @@ def test_hazard_is_shrunk_towards_the_pooled_hazard() -> None:
     assert GapModel(1, GapModelConfig(bins=4)).hazards(0) == pytest.approx([start] * 4)
 
 
+def test_the_prior_weighs_groups_of_the_class_s_mean_size() -> None:
+    """100 uses in 100 groups are 100 observations; 100 uses in one group are one."""
+    m = GapModel(3, GapModelConfig(bins=4, prior_weight=1.0))
+    m.reached[0][0], m.reused[0][0], m.groups[0] = 100, 90, 100
+    m.reached[1][0], m.reused[1][0], m.groups[1] = 100, 10, 1
+    m.reached[2][0], m.reused[2][0] = 4, 3  # counted block by block (no groups): groups of one
+    start = 1 - 0.5 ** (1 / 4)
+    pooled = (103 + start) / (204 + 1)
+    assert m.hazards(0)[0] == pytest.approx((90 + pooled) / (100 + 1))
+    assert m.hazards(1)[0] == pytest.approx((10 + 100 * pooled) / (100 + 100))
+    assert m.hazards(2)[0] == pytest.approx((3 + pooled) / (4 + 1))
+
+
 def test_p_reuse_within_counts_whole_and_partial_bins() -> None:
     m = GapModel(1, GapModelConfig(bins=4, base_s=0.5))
     h = [0.5, 0.5, 0.0, 0.0]

@@ -15,8 +15,9 @@ turns with answers under 32 tokens had a follow-up, 3-6% of those over 128).
 Later requests leave it out but for the long tool call: their session's gaps say more,
 and splitting them all by length thinned the counts (ShareGPT and SWE-agent lost hit
 rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
-posteriors pooled across classes), counting reuses of blocks that were evicted
-too, so what it learns does not depend on what the cache kept. From it follows
+posteriors pooled across classes, each request group one observation), counting
+reuses of blocks that were evicted too, so what it learns does not depend on what
+the cache kept. From it follows
 the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
 cache held, given the age, up to a horizon of `horizon_factor` x the mean age of
 recent victims taken from a class's oldest end: how long a kept block lasts here.
@@ -296,7 +297,7 @@ class BayesPolicy(EvictionPolicy):
         run_old, run_n = -1, 0
         new = 0
         get = last.get
-        gnext, reached, gblocks = self._gnext, self.model.reached, self._gblocks
+        gnext, reached, groups, gblocks = self._gnext, self.model.reached, self.model.groups, self._gblocks
         queues, active = self._queues, self._active
         crossing = self._crossing[1]
         for gid, gclass, part in segments:
@@ -330,6 +331,7 @@ class BayesPolicy(EvictionPolicy):
             gnext.append(1)
             if m:
                 reached[gclass][0] += m
+                groups[gclass] += 1
                 crossing.append(gid)
                 gblocks[gid] = members
                 queues[gclass].append(gid)
