@@ -17,16 +17,15 @@ and splitting them all by length thinned the counts (ShareGPT and SWE-agent lost
 rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
 posteriors pooled across classes, each request group one observation), counting
 reuses of blocks that were evicted too, so what it learns does not depend on what
-the cache kept. From it follows
-the LHD hit density (Beckmann et al., NSDI '18): expected reuses per second of
-cache held, given the age, up to a horizon of `horizon_factor` x the mean age of
-recent victims taken from a class's oldest end: how long a kept block lasts here.
-A fresh group let go at once (the bypass below) says nothing of that; counted,
-its age of about 0 s pulled the horizon under one conversation turn, which took
-the turn's return out of every density and made the bypass run away (ShareGPT
-closed 71/87/85% of the gap with it counted, 98/98/98% without). The factor is
-6 by default (mean gap closed over the twelve shared-trace points: 60.3% at 2x,
-58.9% at 4x, 60.8% at 6x, 60.1% at 10x).
+the cache kept. From it follows the LHD hit density (Beckmann et al., NSDI '18):
+expected reuses per second of cache held, given the age, up to a horizon of
+`horizon_factor` x the mean age of recent victims taken from a class's oldest
+end: how long a kept block lasts here. A fresh group let go at once (the bypass
+below) says nothing of that; counted, its age of about 0 s pulled the horizon
+under one conversation turn, which took the turn's return out of every density
+and made the bypass run away (ShareGPT closed 71/87/85% of the gap with it
+counted, 98/98/98% without). The factor is 6 by default (mean gap closed over the
+twelve shared-trace points: 60.4% at 2x, 60.4% at 4x, 61.0% at 6x, 61.1% at 10x).
 
 All blocks of one request form a group, but for a leading run that other
 sessions share (block type SYSTEM: a system prompt, or on hash-only traces a
