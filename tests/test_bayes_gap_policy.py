@@ -3,6 +3,7 @@ prefix-closed requests, invariants."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,6 +129,19 @@ def test_fresh_groups_let_go_at_once_do_not_shorten_the_horizon() -> None:
             horizons.append(policy.horizon_s)
     assert min(horizons) >= 6 * 30.0  # 6x how long a kept group lasts, which is at least one turn gap
     assert hits >= 0.16 * total  # 0.1326 when the fresh victims counted
+
+
+def test_the_horizon_is_never_shorter_than_the_time_the_cache_takes_to_fill() -> None:
+    # 20 one-off requests of 5 new blocks, 1 s apart, into 10 blocks: each evicts the one before at about 1 s
+    # of age. 100 blocks entered in 19 s, so the cache fills in 10 x 19 / 100 = 1.9 s: the horizon counts at
+    # least 6 x 1.9 s, whatever the victims' ages say (their mean is the policy's own doing: were it to let
+    # every fresh group go at once, it would fall towards 0 s).
+    policy = BayesPolicy(capacity=10)
+    assert policy.fill_time_s == 0.0 and policy.horizon_s == 0.0
+    for i in range(20):
+        policy.access(list(range(5 * i, 5 * i + 5)), ctx(i, 5, float(i), session=f"s{i}"))
+    assert policy.fill_time_s == pytest.approx(1.9)
+    assert policy.horizon_s == pytest.approx(6 * 1.9)
 
 
 def test_a_request_leaves_deepest_first() -> None:
