@@ -132,9 +132,9 @@ def test_fresh_groups_let_go_at_once_do_not_shorten_the_horizon() -> None:
 
 
 def test_the_horizon_is_never_shorter_than_the_time_the_cache_takes_to_fill() -> None:
-    # 20 one-off requests of 5 new blocks, 1 s apart, into 10 blocks: each evicts the one before at about 1 s
-    # of age. 100 blocks entered in 19 s, so the cache fills in 10 x 19 / 100 = 1.9 s: the horizon counts at
-    # least 6 x 1.9 s, whatever the victims' ages say (their mean is the policy's own doing: were it to let
+    # 20 one-off requests of 5 new blocks, 1 s apart, into 10 blocks: from the third on, each evicts a group
+    # 0-2 s old. 100 blocks entered in 19 s, so the cache fills in 10 x 19 / 100 = 1.9 s: the horizon counts
+    # at least 6 x 1.9 s, whatever the victims' ages say (their mean is the policy's own doing: were it to let
     # every fresh group go at once, it would fall towards 0 s).
     policy = BayesPolicy(capacity=10)
     assert policy.fill_time_s == 0.0 and policy.horizon_s == 0.0

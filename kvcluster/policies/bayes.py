@@ -190,7 +190,7 @@ class BayesPolicy(EvictionPolicy):
     @property
     def horizon_s(self) -> float:
         """How far ahead the densities count reuses: `horizon_factor` x the mean age of the victims taken from a
-        class's oldest end (how long a kept block lasts here), or of the fill time where that is longer."""
+        class's oldest end (how long a kept block lasts here), or x the fill time where that is longer."""
         fill = self.fill_time_s
         return (self._evict_age if self._evict_age > fill else fill) * self._horizon_factor
 
