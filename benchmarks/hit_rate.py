@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import policy_names
 from kvcluster.simulator import TierPlan, prepare, replay
@@ -53,7 +54,11 @@ def main() -> int:
         print("|---|---|---|" + "---|" * (len(policies) + len(learnt)))
     for label, path, kwargs in traces(args.sharegpt_records):
         t0 = time.perf_counter()
-        prepared = prepare(load_trace(path, **kwargs))
+        try:
+            prepared = prepare(load_trace(path, **kwargs))
+        except TraceError as err:  # missing or malformed shared data: one line, not a traceback
+            print(f"hit_rate: {err}", file=sys.stderr)
+            return 2
         load_s = time.perf_counter() - t0
         infinite = prepared.infinite_hit_rate()
         print(f"<!-- {label}: {prepared.requests} requests, {prepared.block_refs} refs, {prepared.unique_blocks} unique, "

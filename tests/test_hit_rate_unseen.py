@@ -1,5 +1,5 @@
 """benchmarks/hit_rate_unseen.py: what it scores is data no default was tuned on, and random gaps keep each
-conversation's order."""
+conversation's order; it and benchmarks/hit_rate.py answer missing data with one line."""
 
 from __future__ import annotations
 
@@ -57,3 +57,11 @@ def test_missing_data_is_a_clear_error_not_a_traceback(tmp_path) -> None:
                          env={**os.environ, "KVCLUSTER_DATA": str(tmp_path)})
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip() == f"hit_rate_unseen: trace not found: {tmp_path}/sharegpt_v3/sharegpt_v3_subset.jsonl"
+
+
+def test_hit_rate_answers_missing_data_with_one_line(tmp_path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "hit_rate.py"
+    run = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True,
+                         env={**os.environ, "KVCLUSTER_DATA": str(tmp_path)})
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip() == f"hit_rate: trace not found: {tmp_path}/mooncake/synthetic_trace.jsonl"
