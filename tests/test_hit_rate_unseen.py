@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from hit_rate_unseen import TUNED_SHAREGPT_ENTRIES, claude_code_half, unseen_sharegpt, with_random_gaps  # noqa: E402
@@ -51,17 +53,11 @@ def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
     assert [p.name for p in claude_code_half(source, tmp_path / "odd", 1).iterdir()] == ["trace_0002.json"]
 
 
-def test_missing_data_is_a_clear_error_not_a_traceback(tmp_path) -> None:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "hit_rate_unseen.py"
-    run = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True,
+@pytest.mark.parametrize("script, first_trace", [("hit_rate_unseen", "sharegpt_v3/sharegpt_v3_subset.jsonl"),
+                                                  ("hit_rate", "mooncake/synthetic_trace.jsonl")])
+def test_missing_data_is_a_clear_error_not_a_traceback(tmp_path, script, first_trace) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    run = subprocess.run([sys.executable, str(path), "--json"], capture_output=True, text=True,
                          env={**os.environ, "KVCLUSTER_DATA": str(tmp_path)})
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip() == f"hit_rate_unseen: trace not found: {tmp_path}/sharegpt_v3/sharegpt_v3_subset.jsonl"
-
-
-def test_hit_rate_answers_missing_data_with_one_line(tmp_path) -> None:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "hit_rate.py"
-    run = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True,
-                         env={**os.environ, "KVCLUSTER_DATA": str(tmp_path)})
-    assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip() == f"hit_rate: trace not found: {tmp_path}/mooncake/synthetic_trace.jsonl"
+    assert run.stderr.strip() == f"{script}: trace not found: {tmp_path}/{first_trace}"
