@@ -11,7 +11,7 @@ from kvcluster.block_types import BlockType, TransitionType
 from policy_support import check_invariants
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.bayes import (CLASSES, REQUEST_CLASSES, SHARED_PREFIX, BayesPolicy, answer_bucket, class_of,
-                                      describe_class, finish_index, shared_lead)
+                                      describe_class, finish_index, session_bucket, shared_lead)
 
 
 def ctx(i: int, n: int, now: float, session: str = "", transition=TransitionType.APPEND,
@@ -253,3 +253,17 @@ def test_a_first_answer_s_length_tells_a_conversation_that_goes_on_from_one_that
     # a later turn's answer length does not split its class
     assert (policy._session_class(ctx(i, 1, now, session="s", output_tokens=10), False)
             == policy._session_class(ctx(i, 1, now, session="s", output_tokens=500), False))
+
+
+def test_a_sessions_class_follows_the_geometric_mean_of_its_gaps() -> None:
+    # Gaps of 100 s and then 2 s: the last gap alone says "< 8 s", their geometric mean (14.1 s) "< 64 s".
+    # A request 0.1 s after the one before is the same burst: it keeps the bucket and adds no gap.
+    policy = BayesPolicy(capacity=100)
+    times = (0.0, 100.0, 102.0, 102.1, 102.1 + 7.0 ** 3 / 200.0)
+    seen = []
+    for i, now in enumerate(times):
+        cls = policy._session_class(ctx(i, 1, now, session="s"), remember=True)
+        seen.append(describe_class(cls)["session_gap"])
+    # the fifth gap, 1.715 s: the mean of 100, 2 and 1.715 s is 7 s
+    assert seen == ["first request", ">= 64 s", "< 64 s", "< 64 s", "< 8 s"]
+    assert policy._sessions["s"][3] == 3 and session_bucket(7.0) == 1
