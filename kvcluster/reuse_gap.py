@@ -41,7 +41,7 @@ class GapModelConfig(BaseModel):
 
     base_s: float = Field(0.5, gt=0, description="Upper edge of the first age bin; each later bin doubles.")
     bins: int = Field(22, ge=4, le=40, description="Number of age bins (the last one is open-ended).")
-    prior_weight: float = Field(1.0, gt=0, description="Pseudo-observations of the pooled hazard in every class, "
+    prior_weight: float = Field(4.0, gt=0, description="Pseudo-observations of the pooled hazard in every class, "
                                 "each a group of the class's mean size.")
 
 
