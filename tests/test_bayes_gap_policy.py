@@ -264,6 +264,6 @@ def test_a_sessions_class_follows_the_geometric_mean_of_its_gaps() -> None:
     for i, now in enumerate(times):
         cls = policy._session_class(ctx(i, 1, now, session="s"), remember=True)
         seen.append(describe_class(cls)["session_gap"])
-    # the fifth gap, 1.715 s: the mean of 100, 2 and 1.715 s is 7 s
+    # the fifth gap, 1.715 s: the geometric mean of 100, 2 and 1.715 s is 7 s
     assert seen == ["first request", ">= 64 s", "< 64 s", "< 64 s", "< 8 s"]
     assert policy._sessions["s"][3] == 3 and session_bucket(7.0) == 1
