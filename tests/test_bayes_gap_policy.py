@@ -267,3 +267,17 @@ def test_a_sessions_class_follows_the_geometric_mean_of_its_gaps() -> None:
     # the fifth gap, 1.715 s: the geometric mean of 100, 2 and 1.715 s is 7 s
     assert seen == ["first request", ">= 64 s", "< 64 s", "< 64 s", "< 8 s"]
     assert policy._sessions["s"][3] == 3 and session_bucket(7.0) == 1
+
+
+def test_sessions_are_remembered_up_to_max_sessions_the_longest_idle_forgotten_first() -> None:
+    policy = BayesPolicy(capacity=100, max_sessions=2)
+    for i, (session, now) in enumerate((("a", 0.0), ("b", 1.0), ("a", 100.0), ("c", 101.0))):
+        policy._session_class(ctx(i, 1, now, session=session), remember=True)
+    # "a" came back after "b", so "b" was the one idle longest when "c" made three
+    assert list(policy._sessions) == ["a", "c"]
+    gap = policy._session_class(ctx(4, 1, 102.0, session="b"), remember=False)
+    assert describe_class(gap)["session_gap"] == "first request"
+    assert describe_class(policy._session_class(ctx(4, 1, 200.0, session="a"), remember=False))["session_gap"] \
+        == ">= 64 s"
+    with pytest.raises(ValueError):
+        BayesPolicy(capacity=100, max_sessions=0)

@@ -82,6 +82,11 @@ class EvictionPolicy(ABC):
     def resident(self) -> Iterable[int]:
         """The resident block ids (for integrity checks and the live index)."""
 
+    @property
+    def sessions_known(self) -> int:
+        """Sessions whose pace the policy remembers (0 for one that does not class requests by session)."""
+        return 0
+
     def prefix_hits(self, blocks: Sequence[int]) -> int:
         """Length of the leading run of `blocks` that is resident."""
         n = 0

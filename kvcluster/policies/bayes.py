@@ -81,6 +81,7 @@ from .registry import register
 _NT = len(TransitionType)
 _FIRST = int(TransitionType.FIRST)
 SESSION_BUCKETS = 4  # the session's typical gap between requests: none yet, < 8 s, < 64 s, longer
+MAX_SESSIONS = 1 << 20  # sessions whose pace is remembered; beyond it the one idle longest is forgotten
 FINISHES = ("unknown", "tool call", "end of turn", "long tool call")  # how the request's answer ended
 _FINISH_OF = {"tool_use": 1, "tool_calls": 1, "end_turn": 2, "stop": 2}  # Anthropic and OpenAI names
 _LONG_CALL = 3
@@ -149,10 +150,11 @@ class BayesPolicy(EvictionPolicy):
     name = "bayes"
 
     def __init__(self, capacity: int, gap_config: GapModelConfig | None = None, refresh_requests: int = 32,
-                 horizon_factor: float = 6.0) -> None:
+                 horizon_factor: float = 6.0, max_sessions: int = MAX_SESSIONS) -> None:
         super().__init__(capacity)
-        if refresh_requests < 1 or horizon_factor <= 0:
-            raise ValueError("refresh_requests must be >= 1 and horizon_factor > 0")
+        if refresh_requests < 1 or horizon_factor <= 0 or max_sessions < 1:
+            raise ValueError("refresh_requests and max_sessions must be >= 1 and horizon_factor > 0")
+        self._max_sessions = max_sessions
         self.model = GapModel(CLASSES, gap_config)
         self._base, self._lastbin = self.model.base, self.model.config.bins - 1
         self._edges = self.model.edges
@@ -174,7 +176,7 @@ class BayesPolicy(EvictionPolicy):
         self._hazards = self.model.all_hazards()  # as of the last refresh
         self._dens = self.model.densities(self._lastbin, self._hazards)
         self._sessions: dict[str, tuple[float, int, float, int]] = {}  # session -> (last request time, gap bucket,
-        #   summed log gaps, gaps counted)
+        #   summed log gaps, gaps counted), the session seen longest ago first
         self._due = float("inf")  # when the next group reaches a new age bin
         self._clock = float("-inf")  # the latest request time seen: crossings up to it count
         self._gnext: list[int] = []  # per group: the next age bin it is to be counted in
@@ -196,6 +198,10 @@ class BayesPolicy(EvictionPolicy):
         class's oldest end (how long a kept block lasts here), or x the fill time where that is longer."""
         fill = self.fill_time_s
         return (self._evict_age if self._evict_age > fill else fill) * self._horizon_factor
+
+    @property
+    def sessions_known(self) -> int:
+        return len(self._sessions)
 
     def __contains__(self, block: int) -> bool:
         return self._last.get(block, -1) >= 0
@@ -268,8 +274,10 @@ class BayesPolicy(EvictionPolicy):
 
         The geometric mean and not the last gap: one gap is a noisy draw of the session's pace, and the
         mean of all of them keeps a session in one class while its pace holds (it closed more of the gap to
-        Belady at 11 of 12 points no default was tuned on, see RESULTS)."""
-        seen = self._sessions.get(ctx.session)
+        Belady at 11 of 12 points no default was tuned on, see RESULTS). A live cache meets sessions without
+        end, so it remembers the `max_sessions` seen last; one forgotten comes back as a first request."""
+        sessions = self._sessions
+        seen = sessions.pop(ctx.session, None) if remember else sessions.get(ctx.session)
         if seen is None:
             sb, log_sum, gaps = 0, 0.0, 0
         else:
@@ -279,7 +287,9 @@ class BayesPolicy(EvictionPolicy):
                 log_sum, gaps = log_sum + math.log(gap), gaps + 1
                 sb = session_bucket(math.exp(log_sum / gaps))
         if remember and ctx.session:
-            self._sessions[ctx.session] = (ctx.now, sb, log_sum, gaps)
+            sessions[ctx.session] = (ctx.now, sb, log_sum, gaps)  # re-inserted: the dict's order is recency
+            if len(sessions) > self._max_sessions:
+                del sessions[next(iter(sessions))]
         answer = answer_bucket(ctx.output_tokens) if ctx.transition == _FIRST else 0
         return class_of(ctx.transition, sb, finish_index(ctx.finish, ctx.output_tokens), answer)
 
