@@ -260,5 +260,9 @@ class CacheManager:
     def counters(self) -> list[dict]:
         return [{"name": n, **c.__dict__} for n, c in zip(self.names, self.hierarchy.counters)]
 
+    def sessions_known(self) -> int:
+        """Sessions whose pace the first tier's policy remembers (the one that sees every request)."""
+        return max((p.sessions_known for p in self.hierarchy.policies), default=0)
+
     def tracked(self) -> int:
         return len(self._keys)

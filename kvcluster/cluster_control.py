@@ -185,6 +185,7 @@ class NodeCaches:
 
     def stats(self) -> dict:
         return {"nodes": {node: {"occupancy": m.occupancy(), "counters": m.counters(), "tracked_blocks": m.tracked(),
+                                 "sessions": m.sessions_known(),
                                  "prefetch": m.prefetch_stats()}
                           for node, m in self.managers.items()},
                 "totals": dict(self.totals)}

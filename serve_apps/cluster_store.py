@@ -331,15 +331,16 @@ class ClusterBlockStore:
         return min(pool, key=lambda loc: TIER_ORDER.index(loc[1]))
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
-              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0) -> None:
+              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
+              session: str = "") -> None:
         """Keep the request's blocks in hbm, then hand the whole request to the control plane in one
         fire-and-forget call: its policy places the new blocks and moves the ones this request used
         (promotions, and migrations from other nodes) through the tiers."""
-        self.hbm.store(keys, payloads, pairs, finish, output_tokens)
+        self.hbm.store(keys, payloads, pairs, finish, output_tokens, session)
         if self.node is None or not keys:
             return
         self._requests += 1
-        ctx = request_context(self._requests, time.time(), pairs, finish, output_tokens)
+        ctx = request_context(self._requests, time.time(), pairs, finish, output_tokens, session)
         new = [p for p in payloads if p is not None]
         try:
             self._control().commit(self.node, list(keys), list(payloads), ctx)
@@ -359,11 +360,12 @@ class ClusterBlockStore:
 
 
 def request_context(index: int, now: float, pairs: Sequence[int] | None, finish: str = "",
-                    output_tokens: int = 0) -> RequestContext:
-    """What the policy knows of a served request: its blocks' types and its transition (from their pairs), and
-    how its answer ended. No session: the API names none, so the policy's session gap stays "first request"."""
+                    output_tokens: int = 0, session: str = "") -> RequestContext:
+    """What the policy knows of a served request: its blocks' types and its transition (from their pairs), how
+    its answer ended, and whose it was (the API's `user`; without one the policy's session gap stays "first
+    request")."""
     if not pairs:
-        return RequestContext(index=index, now=now, finish=finish, output_tokens=output_tokens)
+        return RequestContext(index=index, now=now, finish=finish, output_tokens=output_tokens, session=session)
     n = len(TransitionType)
     return RequestContext(index=index, now=now, block_types=tuple(p // n for p in pairs), transition=pairs[0] % n,
-                          finish=finish, output_tokens=output_tokens)
+                          finish=finish, output_tokens=output_tokens, session=session)

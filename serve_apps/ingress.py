@@ -267,7 +267,9 @@ class OpenAIIngress:
 
     def _job(self, ids: list[int], spans, params, body, tenant: str) -> dict:
         salt = f"{tenant}/{body.cache_salt or ''}" if tenant else (body.cache_salt or "")
-        return {"prompt_ids": ids, "spans": spans, "params": params.model_dump(), "cache_salt": salt}
+        session = f"{tenant}/{body.user}" if body.user else ""  # the end user: whose pace the policy learns
+        return {"prompt_ids": ids, "spans": spans, "params": params.model_dump(), "cache_salt": salt,
+                "session": session}
 
     def _confirm_keyspace(self) -> None:
         """Ask a replica for its model fingerprint in the background (at most every 10 s until it answers);

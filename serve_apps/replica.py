@@ -86,7 +86,7 @@ class KVReplica:
         try:
             gen = await asyncio.to_thread(self._locked, self.runner.start, request["prompt_ids"], params,
                                           request.get("cache_salt", ""), request.get("spans", ()),
-                                          request.get("segments", ()))
+                                          request.get("segments", ()), request.get("session", ""))
         except RequestTooLong as exc:
             yield {"type": "error", "message": str(exc)}
             return

@@ -115,8 +115,8 @@ class WrongSizeStore:
         truncated = np.frombuffer(np.ascontiguousarray(got[2]).tobytes()[:100], dtype=np.uint8) if len(got) > 3 else None
         return got[:2] + [truncated] + got[3:] if len(got) > 3 else got
 
-    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0):
-        self.inner.store(keys, payloads, pairs, finish, output_tokens)
+    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0, session=""):
+        self.inner.store(keys, payloads, pairs, finish, output_tokens, session)
 
 
 def test_a_bad_payload_is_a_miss_not_wrong_output():
@@ -264,17 +264,18 @@ class RecordingStore:
     def fetch(self, keys, out=None):
         return self.inner.fetch(keys, out)
 
-    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0):
-        self.answers.append((finish, output_tokens))
-        self.inner.store(keys, payloads, pairs, finish, output_tokens)
+    def store(self, keys, payloads, pairs=None, finish="", output_tokens=0, session=""):
+        self.answers.append((finish, output_tokens, session))
+        self.inner.store(keys, payloads, pairs, finish, output_tokens, session)
 
 
-def test_the_store_learns_how_each_answer_ended():
+def test_the_store_learns_how_each_answer_ended_and_whose_request_it_was():
     loaded = load_model("kvcluster-tiny-llama")
     store = RecordingStore(cached_runner(loaded).store)
     runner = ModelRunner(loaded, store)
     runner.complete(prompt(100), GREEDY)  # runs to max_tokens: finish "length"
-    assert store.answers == [("length", 12)]
+    runner.complete(prompt(100), GREEDY, session="tenant/alice")
+    assert store.answers == [("length", 12, ""), ("length", 12, "tenant/alice")]
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -96,6 +96,37 @@ def test_cache_salt_separates_tenants(client, reference):
     assert same.usage.prompt_tokens_details.cached_tokens == expected_cached(ids, [ids])  # its own first request
 
 
+def test_the_api_user_is_the_session_whose_pace_the_policy_learns(client):
+    """A request's `user` reaches the control plane's policy as its session; requests without one add none."""
+    import time
+
+    from kvcluster.actors.control_plane_actor import CONTROL_NAME
+    from kvcluster.actors.index_actor import NAMESPACE
+
+    control = ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
+
+    def sessions() -> int:
+        return ray.get(control.stats.remote(), timeout=60)["nodes"]["n0"]["sessions"]
+
+    def settled(expected: int) -> int:  # commits are fire-and-forget: wait for them to land
+        deadline, seen = time.monotonic() + 30, sessions()
+        while seen != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen = sessions()
+        return seen
+
+    before = sessions()
+    messages = [{"role": "user", "content": "Pace: " + DOC[:200]}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, user="alice")
+    assert settled(before + 1) == before + 1
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, user="alice")
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    client.completions.create(model=MODEL, prompt="Pace: " + DOC[:100], max_tokens=2, temperature=0, user="bob")
+    assert settled(before + 2) == before + 2
+    time.sleep(1)
+    assert sessions() == before + 2
+
+
 def test_sampled_completion_is_repeatable_with_seed(client):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
     assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text

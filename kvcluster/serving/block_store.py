@@ -25,11 +25,13 @@ class BlockStore(Protocol):
         """Payloads of the longest cached, verified prefix of `keys` (read into `out[j]` where the store can)."""
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
-              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0) -> None:
+              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
+              session: str = "") -> None:
         """After the request: `payloads[j]` is block j's KV when this request computed it, else None;
         `pairs[j]` its (block type, transition) pair for the reuse predictor; `finish` (the API's
-        finish reason) and `output_tokens` say how its answer ended, which the eviction policy
-        classes its blocks by (`policies/bayes.py`)."""
+        finish reason) and `output_tokens` say how its answer ended and `session` whose request it
+        was (the API's `user`, "" if none), which the eviction policy classes its blocks by
+        (`policies/bayes.py`: a session's pace)."""
 
 
 class LocalBlockStore:
@@ -72,15 +74,16 @@ class LocalBlockStore:
             return entered, left, False
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
-              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0) -> None:
+              pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
+              session: str = "") -> None:
         new = [(k, p) for k, p in zip(keys, payloads) if p is not None]  # the hits were committed at fetch
         with self._lock:
-            self._commit([k for k, _ in new], [p for _, p in new], finish, output_tokens)
+            self._commit([k for k, _ in new], [p for _, p in new], finish, output_tokens, session)
 
     def _commit(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None], finish: str = "",
-                output_tokens: int = 0) -> None:
+                output_tokens: int = 0, session: str = "") -> None:
         if not keys:
             return
         self._requests += 1
         self.tiered.commit(keys, payloads, RequestContext(index=self._requests, now=time.monotonic(), finish=finish,
-                                                          output_tokens=output_tokens))
+                                                          output_tokens=output_tokens, session=session))

@@ -58,6 +58,7 @@ class Generation:
     hit_eos: bool = False  # the last output id is the end-of-sequence token (not part of the text)
     ttft_s: float = 0.0
     fetch_s: float = 0.0  # lookup + load + cache build, excluding model compute
+    session: str = ""  # whose requests these are (the API's `user`): the eviction policy learns its pace
     cache: object = None
     generator: torch.Generator | None = None
     stored_blocks: int = 0
@@ -115,7 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-              spans: Sequence[tuple[int, int]] = (), segments: Sequence[tuple[int, int]] = ()) -> Generation:
+              spans: Sequence[tuple[int, int]] = (), segments: Sequence[tuple[int, int]] = (),
+              session: str = "") -> Generation:
         """Fetch the cached prefix, prefill the rest and pick the first token.
 
         `segments` are token ranges whose KV may come from anywhere it was cached before
@@ -130,7 +132,7 @@ class ModelRunner:
         whole = params.prompt_logprobs is not None  # every prompt position's logits: nothing from the cache
         gen = Generation(list(prompt_ids), params, cache_salt, list(spans) or [(BlockType.HISTORY, len(prompt_ids))],
                          [] if whole else self._usable_segments(segments, len(prompt_ids)),
-                         generator=make_generator(params, self.device))
+                         generator=make_generator(params, self.device), session=session)
         payloads = [] if whole else self._fetch_prefix(gen.prompt_ids, cache_salt)
         gen.cache = self.codec.decode(payloads, reuse_buffer=True)  # the prefill below copies out of it
         gen.cached_tokens = len(payloads) * self.block_tokens
@@ -194,7 +196,8 @@ class ModelRunner:
             new = self.codec.encode(gen.cache, first_new, len(keys))
             if keys:  # even with nothing new: the store tells the reuse predictor these blocks were used
                 self.store.store(keys, [None] * first_new + new, self.pairs(gen, len(keys)),
-                                 finish=gen.finish_reason or "", output_tokens=len(gen.output_ids))
+                                 finish=gen.finish_reason or "", output_tokens=len(gen.output_ids),
+                                 session=gen.session)
                 gen.stored_blocks = len(new)
             for s, e in gen.segments:  # content-keyed copies, rotated back to position 0
                 blocks = (min(e, len(seq)) - s) // self.block_tokens
@@ -211,9 +214,9 @@ class ModelRunner:
         return [pair_index(t, transition) for t in types]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-                 segments: Sequence[tuple[int, int]] = ()) -> Iterator[str]:
+                 segments: Sequence[tuple[int, int]] = (), session: str = "") -> Iterator[str]:
         """Text deltas of a whole request (the streaming form of start/step/finish)."""
-        gen = self.start(prompt_ids, params, cache_salt, segments=segments)
+        gen = self.start(prompt_ids, params, cache_salt, segments=segments, session=session)
         try:
             while True:
                 delta = self.new_text(gen)
@@ -226,9 +229,9 @@ class ModelRunner:
             self.finish(gen)
 
     def complete(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-                 segments: Sequence[tuple[int, int]] = ()) -> Generation:
+                 segments: Sequence[tuple[int, int]] = (), session: str = "") -> Generation:
         """Run a request to the end (non-streaming)."""
-        gen = self.start(prompt_ids, params, cache_salt, segments=segments)
+        gen = self.start(prompt_ids, params, cache_salt, segments=segments, session=session)
         try:
             while not gen.done:
                 self.step(gen)
