@@ -160,24 +160,85 @@ def test_capacity_zero_holds_nothing() -> None:
     policy.check_integrity()
 
 
+GHOSTS = st.sampled_from([None, 0, 1, 5])  # None: the default bound; k: k ghosts kept after each sweep
+
+
+def bounded(capacity: int, ghosts: int | None) -> BayesPolicy:
+    if ghosts is None:
+        return BayesPolicy(capacity, refresh_requests=2)
+    return BayesPolicy(capacity, refresh_requests=2, ghost_factor=0.0, min_ghosts=ghosts, min_groups=ghosts)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 12), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=40),
-       st.floats(0.1, 50.0))
-def test_invariants(capacity, token_runs, gap) -> None:
-    check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs,
+       st.floats(0.1, 50.0), GHOSTS)
+def test_invariants(capacity, token_runs, gap, ghosts) -> None:
+    check_invariants(bounded(capacity, ghosts), capacity, token_runs,
                      lambda i, blocks: ctx(i, len(blocks), i * gap, session=str(i % 3)))
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 12), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=40),
-       st.floats(0.1, 50.0), st.integers(0, 4))
-def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead) -> None:
+       st.floats(0.1, 50.0), st.integers(0, 4), GHOSTS)
+def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead, ghosts) -> None:
     # the first `lead` blocks of every request are a shared prefix: a group of its own, tied to the rest
     def typed(i, blocks):
         types = [int(BlockType.SYSTEM)] * min(lead, len(blocks)) + [int(BlockType.HISTORY)] * max(0, len(blocks) - lead)
         return RequestContext(index=i, now=i * gap, block_types=types, transition=int(TransitionType.APPEND),
                               session=str(i % 3))
-    check_invariants(BayesPolicy(capacity, refresh_requests=2), capacity, token_runs, typed)
+    check_invariants(bounded(capacity, ghosts), capacity, token_runs, typed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 8), st.lists(st.tuples(st.sampled_from(["access", "admit", "discard"]),
+                                             st.lists(st.integers(0, 30), min_size=1, max_size=6)), max_size=50),
+       GHOSTS)
+def test_admissions_and_discards_keep_the_ghosts_and_groups_consistent(capacity, ops, ghosts) -> None:
+    policy = bounded(capacity, ghosts)
+    for i, (op, blocks) in enumerate(ops):
+        blocks = list(dict.fromkeys(blocks))
+        if op == "discard":
+            policy.discard(blocks)
+        else:
+            getattr(policy, op)(blocks, ctx(i, len(blocks), 3.0 * i, session=str(i % 2)))
+        assert len(policy) <= capacity
+        policy.check_integrity()
+
+
+def test_memory_stays_bounded_as_blocks_keep_coming() -> None:
+    # 20,000 requests of new blocks: what is kept is the resident set plus at most twice the ghosts kept
+    policy = BayesPolicy(capacity=10, ghost_factor=4.0, min_ghosts=0, min_groups=16)
+    for i in range(20_000):
+        policy.access([3 * i, 3 * i + 1, 3 * i + 2], ctx(i, 3, float(i), session=str(i % 7)))
+        assert len(policy._last) <= 10 + 2 * 40
+        assert policy.groups_tracked <= 2 * max(16, 10 + 2 * 40) + 32  # compacted at twice what was kept
+    policy.check_integrity()
+
+
+def test_a_cache_holding_its_whole_working_set_keeps_no_group_per_request() -> None:
+    # nothing is ever evicted: every request hits, and each one's group takes the blocks over from the last
+    policy = BayesPolicy(capacity=100, min_groups=8)  # compacted at the refresh (every 32 requests) after 16 groups
+    for i in range(5_000):
+        policy.access([1, 2, 3, 4 + i % 3], ctx(i, 4, float(i), session="s"))
+        assert policy.groups_tracked <= 2 * 8 + 32
+    assert sum(len(members) for members in policy._gblocks.values()) <= 4 * (2 * 8 + 32)
+    policy.check_integrity()
+
+
+def test_a_remembered_block_returns_as_a_reuse_and_a_forgotten_one_as_new() -> None:
+    policy = BayesPolicy(capacity=1, ghost_factor=0.0, min_ghosts=2)
+    for i in range(6):  # one new block per request: at the fifth that left, a sweep keeps the newest two
+        policy.access([i], ctx(i, 1, float(i)))
+    known = set(policy._last)
+    ghosts = {b for b in known if b not in policy}
+    forgotten = set(range(6)) - known
+    assert len(known) == 3 and len(ghosts) == 2 and min(ghosts) > max(forgotten)
+    reused = sum(map(sum, policy.model.reused))
+    policy.access([min(ghosts)], ctx(6, 1, 6.0))  # remembered: a reuse
+    assert sum(map(sum, policy.model.reused)) == reused + 1
+    policy.access([min(forgotten)], ctx(7, 1, 7.0))  # forgotten: new
+    assert sum(map(sum, policy.model.reused)) == reused + 1
+    policy.check_integrity()
 
 
 def test_shared_lead_counts_the_leading_system_blocks_of_any_sequence() -> None:
@@ -269,15 +330,15 @@ def test_a_sessions_class_follows_the_geometric_mean_of_its_gaps() -> None:
     assert policy._sessions["s"][3] == 3 and session_bucket(7.0) == 1
 
 
-def test_sessions_are_remembered_up_to_max_sessions_the_longest_idle_forgotten_first() -> None:
-    policy = BayesPolicy(capacity=100, max_sessions=2)
-    for i, (session, now) in enumerate((("a", 0.0), ("b", 1.0), ("a", 100.0), ("c", 101.0))):
+def test_past_max_sessions_the_half_idle_longest_is_forgotten() -> None:
+    policy = BayesPolicy(capacity=100, max_sessions=4)
+    for i, (session, now) in enumerate((("a", 0.0), ("b", 1.0), ("c", 2.0), ("d", 3.0), ("a", 100.0), ("e", 101.0))):
         policy._session_class(ctx(i, 1, now, session=session), remember=True)
-    # "a" came back after "b", so "b" was the one idle longest when "c" made three
-    assert list(policy._sessions) == ["a", "c"]
-    gap = policy._session_class(ctx(4, 1, 102.0, session="b"), remember=False)
+    # five sessions at "e": the three seen last ("d" at 3 s, "a" at 100 s, "e") stay
+    assert sorted(policy._sessions) == ["a", "d", "e"] and policy.sessions_known == 3
+    gap = policy._session_class(ctx(6, 1, 102.0, session="b"), remember=False)
     assert describe_class(gap)["session_gap"] == "first request"
-    assert describe_class(policy._session_class(ctx(4, 1, 200.0, session="a"), remember=False))["session_gap"] \
+    assert describe_class(policy._session_class(ctx(6, 1, 200.0, session="a"), remember=False))["session_gap"] \
         == ">= 64 s"
     with pytest.raises(ValueError):
         BayesPolicy(capacity=100, max_sessions=0)

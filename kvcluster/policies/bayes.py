@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import Sequence
 
 from ..block_types import BlockType, TransitionType
@@ -81,7 +81,10 @@ from .registry import register
 _NT = len(TransitionType)
 _FIRST = int(TransitionType.FIRST)
 SESSION_BUCKETS = 4  # the session's typical gap between requests: none yet, < 8 s, < 64 s, longer
-MAX_SESSIONS = 1 << 20  # sessions whose pace is remembered; beyond it the one idle longest is forgotten
+MAX_SESSIONS = 1 << 18  # sessions whose pace is remembered; beyond it the half idle longest is forgotten
+GHOST_FACTOR = 16.0  # blocks that left are remembered up to this many times the capacity (their reuse still teaches)
+MIN_GHOSTS = 1024  # and at least this many, so that a small cache still learns
+MIN_GROUPS = 1 << 16  # request groups are compacted once twice what the last compaction kept, or twice this
 FINISHES = ("unknown", "tool call", "end of turn", "long tool call")  # how the request's answer ended
 _FINISH_OF = {"tool_use": 1, "tool_calls": 1, "end_turn": 2, "stop": 2}  # Anthropic and OpenAI names
 _LONG_CALL = 3
@@ -150,11 +153,17 @@ class BayesPolicy(EvictionPolicy):
     name = "bayes"
 
     def __init__(self, capacity: int, gap_config: GapModelConfig | None = None, refresh_requests: int = 32,
-                 horizon_factor: float = 6.0, max_sessions: int = MAX_SESSIONS) -> None:
+                 horizon_factor: float = 6.0, max_sessions: int = MAX_SESSIONS,
+                 ghost_factor: float = GHOST_FACTOR, min_ghosts: int = MIN_GHOSTS, min_groups: int = MIN_GROUPS
+                 ) -> None:
         super().__init__(capacity)
-        if refresh_requests < 1 or horizon_factor <= 0 or max_sessions < 1:
-            raise ValueError("refresh_requests and max_sessions must be >= 1 and horizon_factor > 0")
+        if refresh_requests < 1 or horizon_factor <= 0 or max_sessions < 1 or not ghost_factor >= 0 or min_ghosts < 0 \
+                or min_groups < 0:
+            raise ValueError("refresh_requests and max_sessions must be >= 1, horizon_factor > 0, ghost_factor, "
+                             "min_ghosts and min_groups >= 0")
         self._max_sessions = max_sessions
+        self._ghosts_kept = max(int(min(ghost_factor * capacity, 1 << 62)), min_ghosts)  # after each sweep
+        self._min_groups = self._groups_kept = min_groups  # groups are compacted at twice what the last one kept
         self.model = GapModel(CLASSES, gap_config)
         self._base, self._lastbin = self.model.base, self.model.config.bins - 1
         self._edges = self.model.edges
@@ -176,7 +185,7 @@ class BayesPolicy(EvictionPolicy):
         self._hazards = self.model.all_hazards()  # as of the last refresh
         self._dens = self.model.densities(self._lastbin, self._hazards)
         self._sessions: dict[str, tuple[float, int, float, int]] = {}  # session -> (last request time, gap bucket,
-        #   summed log gaps, gaps counted), the session seen longest ago first
+        #   summed log gaps, gaps counted)
         self._due = float("inf")  # when the next group reaches a new age bin
         self._clock = float("-inf")  # the latest request time seen: crossings up to it count
         self._gnext: list[int] = []  # per group: the next age bin it is to be counted in
@@ -202,6 +211,9 @@ class BayesPolicy(EvictionPolicy):
     @property
     def sessions_known(self) -> int:
         return len(self._sessions)
+
+    def remembers(self, block: int) -> bool:
+        return block in self._last
 
     def __contains__(self, block: int) -> bool:
         return self._last.get(block, -1) >= 0
@@ -263,6 +275,8 @@ class BayesPolicy(EvictionPolicy):
                 k += 1
 
     def _refresh(self) -> None:
+        if len(self._gtime) > 2 * self._groups_kept:
+            self._compact_groups()
         self._count_crossings()
         horizon = age_bin(self.horizon_s, self._base, self._lastbin)
         self._hazards, self._dens = self.model.hazards_and_densities(horizon)
@@ -275,9 +289,10 @@ class BayesPolicy(EvictionPolicy):
         The geometric mean and not the last gap: one gap is a noisy draw of the session's pace, and the
         mean of all of them keeps a session in one class while its pace holds (it closed more of the gap to
         Belady at 11 of 12 points no default was tuned on, see RESULTS). A live cache meets sessions without
-        end, so it remembers the `max_sessions` seen last; one forgotten comes back as a first request."""
+        end, so past `max_sessions` it forgets the half idle longest; one forgotten comes back as a first
+        request."""
         sessions = self._sessions
-        seen = sessions.pop(ctx.session, None) if remember else sessions.get(ctx.session)
+        seen = sessions.get(ctx.session)
         if seen is None:
             sb, log_sum, gaps = 0, 0.0, 0
         else:
@@ -287,9 +302,9 @@ class BayesPolicy(EvictionPolicy):
                 log_sum, gaps = log_sum + math.log(gap), gaps + 1
                 sb = session_bucket(math.exp(log_sum / gaps))
         if remember and ctx.session:
-            sessions[ctx.session] = (ctx.now, sb, log_sum, gaps)  # re-inserted: the dict's order is recency
+            sessions[ctx.session] = (ctx.now, sb, log_sum, gaps)
             if len(sessions) > self._max_sessions:
-                del sessions[next(iter(sessions))]
+                self._forget_sessions()
         answer = answer_bucket(ctx.output_tokens) if ctx.transition == _FIRST else 0
         return class_of(ctx.transition, sb, finish_index(ctx.finish, ctx.output_tokens), answer)
 
@@ -504,6 +519,8 @@ class BayesPolicy(EvictionPolicy):
             else:
                 self._active.discard(c)
         self._size -= len(evicted)
+        if len(last) - self._size > 2 * self._ghosts_kept:
+            self._forget_ghosts()
         if aged:  # how long a kept block lasts: a fresh group let go at once says nothing of it
             self._evict_age += 0.05 * (ages / aged - self._evict_age)
         return evicted
@@ -528,6 +545,75 @@ class BayesPolicy(EvictionPolicy):
             self._tails[shared] = tail
         return need, (now - self._gtime[tail]) * (before - need)
 
+    # -- bounded memory ---------------------------------------------------------------------------
+
+    def _forget_sessions(self) -> None:
+        """Keep the half of the sessions seen last (by their last request): amortized O(log) per session."""
+        keep = sorted(self._sessions.items(), key=lambda item: item[1][0])[len(self._sessions) // 2:]
+        self._sessions = dict(keep)
+
+    def _forget_ghosts(self) -> None:
+        """Forget the blocks that left longest ago, keeping `ghosts_kept`.
+
+        A block that left is remembered (its group, as ~group) so that its return
+        still counts as a reuse at its true gap. A live cache meets blocks without
+        end, so once the ghosts reach twice `ghosts_kept` the oldest go, by the order
+        of their groups (their last use). A forgotten block leaves its group's count
+        of blocks at risk as a censored observation: the age bins it crossed count
+        it, later ones do not, and if it comes back it is new. Amortized O(1) per
+        block that left; the groups are compacted once they doubled."""
+        last = self._last
+        per_group = Counter(last.values())  # ghosts under ~group (< 0), resident blocks under their group
+        ghosts = sorted(g for g in per_group if g < 0)  # newest group first (ints only: no garbage to collect)
+        excess = len(last) - self._size - self._ghosts_kept
+        if excess <= 0:
+            return
+        galive, settle = self._galive, self._settle
+        while excess > 0:  # from the oldest group on (~g = -1 is group 0)
+            g = ghosts.pop()
+            n = per_group[g]
+            settle(~g, n)
+            galive[~g] -= n
+            excess -= n
+        cut = ghosts[-1] if ghosts else ~len(galive)  # ghosts at or under it (as newer) stay
+        for b in [b for b, g in last.items() if cut < g < 0]:
+            del last[b]
+
+    def _compact_groups(self) -> None:
+        """Drop the groups no block's last use is any more, and renumber the rest in order.
+
+        Run once the groups are twice what the last compaction kept, so O(1) per
+        request amortized; without it a cache that holds its whole working set
+        would keep a group, and its list of blocks, for every request it served.
+        A dropped group still queued holds no block whose last use it is: its
+        class's eviction would have skipped it, and a shared prefix with none
+        left no longer ties its tail. A group's number only orders it, so
+        renumbering in order changes no decision."""
+        galive, gblocks, tails = self._galive, self._gblocks, self._tails
+        keep = [g for g, alive in enumerate(galive) if alive > 0]
+        new = [-1] * len(galive)
+        for i, g in enumerate(keep):
+            new[g] = i
+        last = self._last
+        for b, g in last.items():  # values only: the dict's size holds
+            last[b] = new[g] if g >= 0 else ~new[~g]
+        self._gtime = [self._gtime[g] for g in keep]
+        self._gcls = [self._gcls[g] for g in keep]
+        self._galive = [galive[g] for g in keep]
+        self._gnext = [self._gnext[g] for g in keep]
+        self._gblocks = {new[g]: members for g, members in gblocks.items() if new[g] >= 0}
+        self._tails = {new[g]: new[t] for g, t in tails.items() if new[g] >= 0 and new[t] >= 0}
+        self._queues = [deque(new[g] for g in q if new[g] >= 0) for q in self._queues]
+        self._active = {c for c, q in enumerate(self._queues) if q}
+        self._crossing = [deque(new[g] for g in q if new[g] >= 0) for q in self._crossing]
+        self._ends.clear()
+        self._groups_kept = max(len(keep), self._min_groups)
+
+    @property
+    def groups_tracked(self) -> int:
+        """Request groups the policy keeps (resident blocks' and remembered ghosts')."""
+        return len(self._gtime)
+
     def discard(self, blocks: Sequence[int]) -> None:
         last = self._last
         for b in blocks:
@@ -535,6 +621,8 @@ class BayesPolicy(EvictionPolicy):
             if g is not None and g >= 0:
                 last[b] = ~g
                 self._size -= 1
+        if len(last) - self._size > 2 * self._ghosts_kept:
+            self._forget_ghosts()
 
     def check_integrity(self) -> None:
         resident = [b for b, g in self._last.items() if g >= 0]
@@ -546,3 +634,6 @@ class BayesPolicy(EvictionPolicy):
         assert all(q or c not in self._active for c, q in enumerate(self._queues))
         assert all(c in self._active for c, q in enumerate(self._queues) if q)
         assert all(g in queued for g in self._tails), "a shared prefix that left is still tied to a tail"
+        galive = self._galive
+        assert all(galive[g if g >= 0 else ~g] > 0 for g in self._last.values()), "a block's group counts it not"
+        assert len(self._last) - self._size <= 2 * self._ghosts_kept, "ghosts beyond their bound"
