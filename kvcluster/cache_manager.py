@@ -17,6 +17,13 @@ as a victim), `prepare_store`/`complete_store` bracket one request's placement,
 and `drain_events` yields what was stored, moved, evicted or lost, for an index
 or a read-only replica of it. Plans are applied in the order they are issued:
 a plan's sources are where the previous plan left the blocks.
+
+Policies see blocks as small ints. A key keeps its id while some tier's policy
+remembers the block (resident, or a ghost it learns from); once the keys known
+reach twice what the last sweep kept, the others are let go, so memory follows
+the tiers' capacities and not the keys ever seen. A key let go that comes back
+gets a new id, which every policy sees as a block it never met, as the
+simulator's policies would.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .policies.base import RequestContext
 from .predictor import PredictorConfig
 from .prefetch import Prefetcher
 from .simulator import TierPlan, build_hierarchy
+
+MIN_KEYS_SWEPT = 4096  # the key table is swept for blocks no policy remembers at twice what it kept, and no sooner
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +85,14 @@ class Event:
 
 class CacheManager:
     def __init__(self, plan: Sequence[TierPlan], policy: str = "lru", *, policy_options: dict | None = None,
-                 predictor_config: PredictorConfig | None = None) -> None:
+                 predictor_config: PredictorConfig | None = None, keys_swept_from: int = MIN_KEYS_SWEPT) -> None:
         self.names = [t.name for t in plan]
         self.policy = policy
         self.hierarchy: Hierarchy = build_hierarchy(policy, plan, predictor_config, policy_options=policy_options)
         self._ids: dict[bytes, int] = {}
-        self._keys: list[bytes] = []
+        self._keys: dict[int, bytes] = {}
+        self._new_ids = itertools.count()
+        self._min_sweep = self._sweep_at = keys_swept_from
         self._pins: Counter = Counter()  # block id -> readers copying it out
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
@@ -91,14 +102,25 @@ class CacheManager:
     # -- keys ---------------------------------------------------------------------------------
 
     def _intern(self, keys: Iterable[bytes]) -> list[int]:
-        ids, out = self._ids, []
+        ids, names, out = self._ids, self._keys, []
         for key in keys:
             i = ids.get(key)
             if i is None:
-                i = ids[key] = len(self._keys)
-                self._keys.append(key)
+                i = ids[key] = next(self._new_ids)
+                names[i] = key
             out.append(i)
         return out
+
+    def _sweep_keys(self) -> None:
+        """Let go of the keys of blocks no tier's policy remembers (and no reader pins), once the table holds
+        twice what the last sweep kept: amortized O(tiers) per new key."""
+        if len(self._ids) <= self._sweep_at:
+            return
+        policies, pins = self.hierarchy.policies, self._pins
+        gone = [i for i in self._keys if i not in pins and not any(p.remembers(i) for p in policies)]
+        for i in gone:
+            del self._ids[self._keys.pop(i)]
+        self._sweep_at = max(self._min_sweep, 2 * len(self._ids))
 
     def _known(self, keys: Iterable[bytes]) -> list[int | None]:
         return [self._ids.get(k) for k in keys]
@@ -152,7 +174,9 @@ class CacheManager:
         fresh = [i for i in ids if self.hierarchy.locate(i) is None]
         extra = [self._keys[i] for i in ids if self.hierarchy.locate(i) not in (None, tier)]
         victims = self.hierarchy.policies[tier].admit(fresh, RequestContext(index=self._requests, now=0.0))
-        return extra + [self._keys[i] for i in victims]
+        extra += [self._keys[i] for i in victims]
+        self._sweep_keys()
+        return extra
 
     def forget_tier(self, tier: int) -> int:
         """Everything `tier` was thought to hold is gone (its process restarted empty)."""
@@ -195,7 +219,9 @@ class CacheManager:
         result = self.hierarchy.serve(served, ctx, self._pins)
         self.prefetcher.served(served, result.hit_tier)
         self.prefetcher.after(result)
-        return self._plan(src, result)
+        plan = self._plan(src, result)
+        self._sweep_keys()
+        return plan
 
     def prepare_prefetch(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> StorePlan:
         """A queued request's held prefix, lifted into tier 0 before it runs (no use is counted: its own
@@ -235,8 +261,9 @@ class CacheManager:
         failed = set(failed)
         for m in plan.moves:
             if m.key in failed:
-                if m.dst is not None:
-                    self.hierarchy.policies[m.dst].discard([self._ids[m.key]])
+                i = self._ids.get(m.key)
+                if m.dst is not None and i is not None:  # a key let go since is in no tier
+                    self.hierarchy.policies[m.dst].discard([i])
                 self._events.append(Event("lost", m.key, None, m.src))
             elif m.src is None:
                 self._events.append(Event("stored", m.key, m.dst))

@@ -140,6 +140,10 @@ class ReusePredictor:
             self.version += 1
         return out
 
+    def watching(self, block: int) -> bool:
+        """Whether a block's reuse record is open (its horizon has not ended)."""
+        return block in self._rec
+
     def forget(self, block: int) -> None:
         """Stop watching a block (no outcome recorded)."""
         self._rec.pop(block, None)

@@ -34,6 +34,9 @@ class ARCPolicy(EvictionPolicy):
     def resident(self):
         return list(self.t1) + list(self.t2)
 
+    def remembers(self, block: int) -> bool:
+        return block in self.t1 or block in self.t2 or block in self.b1 or block in self.b2
+
     def _replace(self, in_b2: bool, evicted: list[int]) -> None:
         if self.t1 and (len(self.t1) > self.p or (in_b2 and len(self.t1) == self.p)):
             victim, _ = self.t1.popitem(last=False)

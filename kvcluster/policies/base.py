@@ -82,6 +82,11 @@ class EvictionPolicy(ABC):
     def resident(self) -> Iterable[int]:
         """The resident block ids (for integrity checks and the live index)."""
 
+    def remembers(self, block: int) -> bool:
+        """Whether the policy keeps anything of `block`: resident, or gone but remembered (a ghost whose
+        return it would learn from). The cache manager frees a block's key once no tier remembers it."""
+        return block in self
+
     @property
     def sessions_known(self) -> int:
         """Sessions whose pace the policy remembers (0 for one that does not class requests by session)."""

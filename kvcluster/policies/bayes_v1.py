@@ -66,6 +66,9 @@ class BayesV1Policy(EvictionPolicy):
     def resident(self):
         return self._prio.keys()
 
+    def remembers(self, block: int) -> bool:
+        return block in self._prio or self.predictor.watching(block)
+
     def prefix_hits(self, blocks: Sequence[int]) -> int:
         prio, n = self._prio, 0
         for block in blocks:

@@ -33,6 +33,9 @@ class S3FIFOPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self.freq)
 
+    def remembers(self, block: int) -> bool:
+        return block in self.freq or block in self.ghost
+
     def resident(self):
         return self.freq.keys()
 
