@@ -20,10 +20,11 @@ a plan's sources are where the previous plan left the blocks.
 
 Policies see blocks as small ints. A key keeps its id while some tier's policy
 remembers the block (resident, or a ghost it learns from); once the keys known
-reach twice what the last sweep kept, the others are let go, so memory follows
-the tiers' capacities and not the keys ever seen. A key let go that comes back
-gets a new id, which every policy sees as a block it never met, as the
-simulator's policies would.
+reach twice what the last sweep kept, the others are let go and their ids are
+given to new keys, so memory follows the tiers' capacities and not the keys ever
+seen. No policy holds anything of an id let go, so a key that comes back, under
+whatever id, is a block every policy meets as new, as the simulator's policies
+would.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class CacheManager:
         self.policy = policy
         self.hierarchy: Hierarchy = build_hierarchy(policy, plan, predictor_config, policy_options=policy_options)
         self._ids: dict[bytes, int] = {}
-        self._keys: dict[int, bytes] = {}
-        self._new_ids = itertools.count()
+        self._keys: list[bytes | None] = []  # by id; None: an id let go, in `_free` for the next new key
+        self._free: list[int] = []
         self._min_sweep = self._sweep_at = keys_swept_from
         self._pins: Counter = Counter()  # block id -> readers copying it out
         self._plan_ids = itertools.count(1)
@@ -102,12 +103,16 @@ class CacheManager:
     # -- keys ---------------------------------------------------------------------------------
 
     def _intern(self, keys: Iterable[bytes]) -> list[int]:
-        ids, names, out = self._ids, self._keys, []
+        ids, names, free, out = self._ids, self._keys, self._free, []
         for key in keys:
             i = ids.get(key)
             if i is None:
-                i = ids[key] = next(self._new_ids)
-                names[i] = key
+                if free:
+                    i = ids[key] = free.pop()
+                    names[i] = key
+                else:
+                    i = ids[key] = len(names)
+                    names.append(key)
             out.append(i)
         return out
 
@@ -116,10 +121,14 @@ class CacheManager:
         twice what the last sweep kept: amortized O(tiers) per new key."""
         if len(self._ids) <= self._sweep_at:
             return
-        policies, pins = self.hierarchy.policies, self._pins
-        gone = [i for i in self._keys if i not in pins and not any(p.remembers(i) for p in policies)]
+        policies, pins, names = self.hierarchy.policies, self._pins, self._keys
+        gone = [i for i, key in enumerate(names)
+                if key is not None and i not in pins and not any(p.remembers(i) for p in policies)]
         for i in gone:
-            del self._ids[self._keys.pop(i)]
+            del self._ids[names[i]]
+            names[i] = None
+        self.prefetcher.forget(gone)  # one lost on a failed move may still be pending
+        self._free.extend(reversed(gone))  # the lowest ids are taken first
         self._sweep_at = max(self._min_sweep, 2 * len(self._ids))
 
     def _known(self, keys: Iterable[bytes]) -> list[int | None]:
@@ -292,4 +301,4 @@ class CacheManager:
         return max((p.sessions_known for p in self.hierarchy.policies), default=0)
 
     def tracked(self) -> int:
-        return len(self._keys)
+        return len(self._ids)

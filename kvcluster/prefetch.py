@@ -10,7 +10,7 @@ from tier 0 by the request they were fetched for) and wasted (evicted first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Container, Sequence
+from typing import Container, Iterable, Sequence
 
 from .hierarchy import Hierarchy, ServeResult
 from .policies.base import RequestContext
@@ -57,6 +57,11 @@ class Prefetcher:
                 pending.discard(block)
                 if tier == 0:
                     self.stats.hits += 1
+
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Blocks no tier holds any more, whose ids go to other blocks: none of them is pending now."""
+        if self._pending:
+            self._pending.difference_update(blocks)
 
     def evicted(self, blocks: Sequence[int]) -> None:
         """Blocks left tier 0: a prefetched one that was never used is wasted."""

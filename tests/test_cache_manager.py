@@ -154,6 +154,18 @@ def test_a_block_whose_source_cannot_be_read_is_dropped_not_claimed() -> None:
     assert ("lost", a) in events and ("stored", a) in events
 
 
+def test_keys_no_policy_remembers_are_let_go_and_their_ids_reused() -> None:
+    manager = CacheManager([TierPlan("dram", 2)], "lru", keys_swept_from=4)
+    for n in range(1000):  # a new key per request: LRU remembers only the two it holds
+        manager.prepare_store([key_of(n)], [key_of(n)])
+        assert manager.tracked() <= 2 * 4 + 1
+    assert len(manager._keys) <= 2 * 4 + 1  # ids of keys let go went to new keys
+    assert manager.lookup([key_of(998), key_of(999)]) == [0, 0] and manager.lookup([key_of(0)]) == []
+    plan = manager.prepare_store([key_of(0)], [key_of(0)])  # back after it was let go: a block never met
+    assert [(m.src, m.dst) for m in plan.moves if m.key == key_of(0)] == [(None, 0)]
+    assert manager.hierarchy.counters[0].hits == 0
+
+
 def test_a_failed_write_leaves_the_block_out_of_the_bookkeeping() -> None:
     manager = CacheManager([TierPlan("dram", 2)], "lru")
     tiers = DictTiers([1])  # the bytes hold less than the policy believes
