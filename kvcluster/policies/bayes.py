@@ -162,7 +162,8 @@ class BayesPolicy(EvictionPolicy):
             raise ValueError("refresh_requests and max_sessions must be >= 1, horizon_factor > 0, ghost_factor, "
                              "min_ghosts and min_groups >= 0")
         self._max_sessions = max_sessions
-        self._ghosts_kept = max(int(min(ghost_factor * capacity, 1 << 62)), min_ghosts)  # after each sweep
+        kept = min(ghost_factor * capacity, 1 << 62) if capacity else 0  # an empty cache keeps only min_ghosts
+        self._ghosts_kept = max(int(kept), min_ghosts)  # after each sweep
         self._min_groups = self._groups_kept = min_groups  # groups are compacted at twice what the last one kept
         self.model = GapModel(CLASSES, gap_config)
         self._base, self._lastbin = self.model.base, self.model.config.bins - 1
