@@ -172,8 +172,11 @@ class ControlPlaneActor:
         held = {k: (p, None) for k, p in zip(keys, payloads) if p is not None}
         migrating = {k for k in keys if k not in held and self.caches.managers[node].tier_of(k) is None}
         plan, failed = self.caches.commit(node, keys, held, ctx)
-        self.caches.managers[node].drain_events()
+        manager = self.caches.managers[node]
+        manager.drain_events()
         self._account(node, plan, set(failed), migrating)
+        metrics.control_tracked().set(manager.tracked(), {"node": node, "kind": "keys"})
+        metrics.control_tracked().set(manager.sessions_known(), {"node": node, "kind": "sessions"})
         if self.gap_every and self.requests % self.gap_every == 0:
             self._sync_gap()
         return len(failed)

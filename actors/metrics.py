@@ -131,6 +131,14 @@ def posterior_mean() -> KeptGauge:
 
 
 @lru_cache(maxsize=None)
+def control_tracked() -> KeptGauge:
+    """What a node's cache manager keeps beyond the bytes: bounded by its tiers, not by what it ever met."""
+    return KeptGauge(Gauge("kvcluster_control_tracked", "Bookkeeping of the control plane per node: block keys it "
+                           "tracks (kind=keys: resident, or remembered by a tier's policy) and sessions its policy "
+                           "remembers (kind=sessions).", tag_keys=("node", "kind")))
+
+
+@lru_cache(maxsize=None)
 def belady_gap() -> KeptGauge:
     """Belady's hit rate minus the tier policy's, over the replica's recent requests (kvcluster.belady_gap)."""
     return KeptGauge(Gauge("kvcluster_belady_gap", "Estimated hit-rate gap to Belady over the recent window, per "

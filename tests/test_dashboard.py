@@ -13,7 +13,7 @@ def test_every_dashboard_query_uses_a_defined_metric():
     dash = json.loads((ROOT / "configs" / "grafana" / "kvcluster-dashboard.json").read_text())
     defined = {f"ray_{getattr(m, f)().info['name']}" for f in ("tier_bytes", "tier_lookups", "bytes_moved", "evictions",
                                                               "prefetches", "posterior_mean", "ttft", "cached_tokens",
-                                                              "requests", "faults", "belady_gap")}
+                                                              "requests", "faults", "belady_gap", "control_tracked")}
     used = set()
     for panel in dash["panels"]:
         for target in panel["targets"]:

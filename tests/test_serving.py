@@ -197,7 +197,7 @@ def test_api_keys_and_sliding_window_model(endpoint):
 EXPECTED_METRICS = ["ray_kvcluster_tier_bytes", "ray_kvcluster_tier_lookups", "ray_kvcluster_bytes_moved",
                     "ray_kvcluster_evictions", "ray_kvcluster_ttft_seconds", "ray_kvcluster_cached_tokens",
                     "ray_kvcluster_requests", "ray_kvcluster_predictor_posterior_mean", "ray_kvcluster_belady_gap",
-                    "ray_kvcluster_prefetch_total"]
+                    "ray_kvcluster_prefetch_total", "ray_kvcluster_control_tracked"]
 
 
 def test_metrics_endpoint_shows_the_cache_after_traffic(client):
