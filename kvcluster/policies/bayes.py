@@ -64,6 +64,13 @@ Cost: one dict write per block, one pass over the class ends per request that
 evicts, O(log classes) per victim group, and every `refresh_requests` requests
 the age-bin crossings since the last refresh counted and the density table
 rebuilt in O(classes with counts x bins).
+
+Memory, bounded for a cache that runs without end: the resident blocks; the
+blocks that left, up to twice `ghost_factor` x capacity (at least `min_ghosts`),
+whose returns still count as reuses at their true gap; the request groups, up to
+twice what the last compaction kept (at least `min_groups`); and the sessions, up
+to `max_sessions`. Each bound is checked at an eviction or a refresh, never per
+block.
 """
 
 from __future__ import annotations
