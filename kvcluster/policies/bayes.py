@@ -569,7 +569,7 @@ class BayesPolicy(EvictionPolicy):
         of their groups (their last use). A forgotten block leaves its group's count
         of blocks at risk as a censored observation: the age bins it crossed count
         it, later ones do not, and if it comes back it is new. Amortized O(1) per
-        block that left; the groups are compacted once they doubled."""
+        block that left (the groups it leaves empty go at the next compaction)."""
         last = self._last
         per_group = Counter(last.values())  # ghosts under ~group (< 0), resident blocks under their group
         ghosts = sorted(g for g in per_group if g < 0)  # newest group first (ints only: no garbage to collect)
@@ -593,10 +593,13 @@ class BayesPolicy(EvictionPolicy):
         Run once the groups are twice what the last compaction kept, so O(1) per
         request amortized; without it a cache that holds its whole working set
         would keep a group, and its list of blocks, for every request it served.
-        A dropped group still queued holds no block whose last use it is: its
-        class's eviction would have skipped it, and a shared prefix with none
-        left no longer ties its tail. A group's number only orders it, so
-        renumbering in order changes no decision."""
+        A dropped group still queued holds no block whose last use it is, so its
+        class's eviction would have taken nothing from it, and a shared prefix
+        with none left no longer ties its tail; at a class's end, though, its age
+        stood for the class until eviction reached it, so dropping it can change
+        which class goes first. Renumbering in order changes no decision (a
+        group's number only orders it). At the default floor of 65,536 groups no
+        replay of the shared traces compacts."""
         galive, gblocks, tails = self._galive, self._gblocks, self._tails
         keep = [g for g, alive in enumerate(galive) if alive > 0]
         new = [-1] * len(galive)
