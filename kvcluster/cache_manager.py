@@ -244,6 +244,18 @@ class CacheManager:
             return StorePlan(next(self._plan_ids), ())
         return self._plan({b: tier for b, tier in result.promoted}, result)
 
+    def prepare_place(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> StorePlan:
+        """Blocks whose bytes the caller read from elsewhere, placed in tier 0 without counting a use (the
+        request that read them counts it at its `prepare_store`); those a tier holds stay put."""
+        fresh = [i for i in dict.fromkeys(self._intern(keys)) if self.hierarchy.locate(i) is None]
+        if ctx is None:
+            ctx = RequestContext(index=self._requests, now=float(self._requests))
+        result = self.hierarchy.place(fresh, ctx, self._pins)
+        self.prefetcher.after(result)
+        plan = self._plan(dict.fromkeys(fresh), result)  # from the caller's bytes; dropped at once: no move
+        self._sweep_keys()
+        return plan
+
     def _plan(self, src: dict[int, int | None], result: ServeResult) -> StorePlan:
         """The net moves that make the tiers match the hierarchy after `result`. `src`: where each block the
         request touched has its bytes now (None: computed by the caller)."""

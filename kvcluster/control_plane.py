@@ -72,6 +72,14 @@ class ControlPlane:
         self.manager.complete_store(plan, failed)
         return plan, failed
 
+    def place(self, keys: Sequence[bytes], held: Held, ctx: RequestContext | None = None) -> list[bytes]:
+        """Blocks read from elsewhere, into tier 0 without counting a use (`CacheManager.prepare_place`);
+        `held` has their bytes. Returns the blocks that did not reach their tier."""
+        plan = self.manager.prepare_place(keys, ctx)
+        failed = execute(plan, self.io, held)
+        self.manager.complete_store(plan, failed)
+        return failed
+
     def serve(self, keys: Sequence[bytes], payloads: Mapping[bytes, np.ndarray],
               ctx: RequestContext | None = None) -> Fetched:
         """Fetch the cached run, then commit the request with `payloads` standing in for the blocks a

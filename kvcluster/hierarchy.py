@@ -96,6 +96,14 @@ class Hierarchy:
         demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
         return ServeResult((), tuple(promoted), tuple(demoted), tuple(dropped), tuple(dropped_from))
 
+    def place(self, blocks: Sequence[int], ctx: RequestContext, pinned: Container[int] = ()) -> ServeResult:
+        """Blocks no tier holds, whose bytes arrived from elsewhere (another node), into tier 0 without counting
+        a use (no hits): the request that read them counts it. Blocks a tier holds stay where they are."""
+        fresh = [b for b in dict.fromkeys(blocks) if self.locate(b) is None]
+        evicted = self.policies[0].admit(fresh, ctx) if fresh else []
+        demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
+        return ServeResult((), (), tuple(demoted), tuple(dropped), tuple(dropped_from))
+
     def _pull_up(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
         promoted = []
         for tier in range(1, len(self.policies)):

@@ -39,10 +39,8 @@ from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
-from kvcluster.block_types import TransitionType
 from kvcluster.keys import BlockKey
-from kvcluster.policies.base import RequestContext
-from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.serving.block_store import LocalBlockStore, served_context
 from kvcluster.storage import RDMABackend, StorageError
 from kvcluster.tiers import NIXL_TIERS, TIER_ORDER  # NIXL_TIERS: memory tiers whose slab a replica reads over NIXL
 
@@ -147,7 +145,7 @@ class ClusterBlockStore:
             tier = source[j][1]
             self.counters["lent_pages" if tier == LENT_TIER else tier] += 1  # "hbm" counts this store's own hits
         if run:
-            self.hbm.store(rest[: len(run)], run)  # promote: the next turn finds them in process
+            self.hbm.place(rest[: len(run)], run)  # promoted: the next turn finds them in process
             by_source: dict[str, int] = defaultdict(int)
             for j, payload in enumerate(run):
                 node, tier = source[j]
@@ -340,7 +338,7 @@ class ClusterBlockStore:
         if self.node is None or not keys:
             return
         self._requests += 1
-        ctx = request_context(self._requests, time.time(), pairs, finish, output_tokens, session)
+        ctx = served_context(self._requests, time.time(), pairs, finish, output_tokens, session)
         new = [p for p in payloads if p is not None]
         try:
             self._control().commit(self.node, list(keys), list(payloads), ctx)
@@ -358,14 +356,3 @@ class ClusterBlockStore:
             self._control_handle = ControlClient.connect()
         return self._control_handle
 
-
-def request_context(index: int, now: float, pairs: Sequence[int] | None, finish: str = "",
-                    output_tokens: int = 0, session: str = "") -> RequestContext:
-    """What the policy knows of a served request: its blocks' types and its transition (from their pairs), how
-    its answer ended, and whose it was (the API's `user`; without one the policy's session gap stays "first
-    request")."""
-    if not pairs:
-        return RequestContext(index=index, now=now, finish=finish, output_tokens=output_tokens, session=session)
-    n = len(TransitionType)
-    return RequestContext(index=index, now=now, block_types=tuple(p // n for p in pairs), transition=pairs[0] % n,
-                          finish=finish, output_tokens=output_tokens, session=session)

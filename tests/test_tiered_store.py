@@ -69,3 +69,20 @@ def test_every_fetch_returns_true_bytes(tmp_path_factory, policy, requests) -> N
     store = make_store(tmp_path_factory.mktemp("t"), policy)
     for i, ids in enumerate(requests):
         serve(store, ids, i)
+
+
+def test_blocks_read_elsewhere_are_placed_in_the_first_tier_without_counting_a_use(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    first = SPACE.chain_hash_ids([1, 2, 3])
+    serve(store, [1, 2, 3], 0)  # dram holds the three
+    hits = [c["hits"] for c in store.manager.counters()]
+    other = SPACE.chain_hash_ids([7, 8])
+    store.place(other, [kv_of(k) for k in other], RequestContext(1, 1.0))
+    assert [store.manager.tier_of(k) for k in other] == [0, 0]
+    assert [store.manager.tier_of(k) for k in first] == [1, 1, 0]  # LRU's victims fell to nvme, bytes and all
+    assert [c["hits"] for c in store.manager.counters()] == hits
+    store.check_integrity()
+    store.place(first, [kv_of(k) for k in first], RequestContext(2, 2.0))  # held already: nothing moves
+    assert [store.manager.tier_of(k) for k in first] == [1, 1, 0]
+    got = store.fetch(other)
+    assert got.tiers == ("dram", "dram") and all(np.array_equal(p, kv_of(k)) for p, k in zip(got.payloads, other))

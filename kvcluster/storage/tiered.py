@@ -24,7 +24,7 @@ from ..keys import BlockKey
 from ..plan_executor import BackendTierIO
 from ..policies.base import RequestContext
 from ..simulator import TierPlan
-from .base import StorageBackend
+from .base import SlottedBackend, StorageBackend
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,19 @@ class ResidencyLog:
         return [k for k, held in changed.items() if held], [k for k, held in changed.items() if not held]
 
 
+def capacity_blocks(backend: StorageBackend, block_bytes: int) -> int:
+    """Blocks `backend` holds: one per slot where it has slots (the nvme slab aligns them, so a small block
+    takes more bytes than its own), else its bytes over a block's."""
+    if isinstance(backend, SlottedBackend):
+        return backend.table.slots if backend.slot_bytes >= block_bytes else 0
+    return backend.capacity_bytes // block_bytes
+
+
 class TieredStore:
     def __init__(self, backends: Sequence[StorageBackend], block_bytes: int, policy: str = "lru", **policy_options):
         self.backends = list(backends)
         self.block_bytes = block_bytes
-        plan = [TierPlan(b.name, b.capacity_bytes // block_bytes) for b in self.backends]
+        plan = [TierPlan(b.name, capacity_blocks(b, block_bytes)) for b in self.backends]
         self.manager = CacheManager(plan, policy, policy_options=policy_options)
         self.hierarchy = self.manager.hierarchy
         self.plane = ControlPlane(self.manager, BackendTierIO(self.backends))
@@ -69,12 +77,22 @@ class TieredStore:
         self.residency: ResidencyLog | None = None  # set to follow which blocks the tiers hold (`ResidencyLog`)
 
     def fetch(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> FetchResult:
-        """Load the longest cached prefix of `keys`: one batched read per tier (into `out[j]` when given)."""
+        """Load the longest cached prefix of `keys`: one batched read per tier (into `out[j]` when given). The
+        next `commit` promotes what it read from these bytes (one request at a time: see `read`)."""
+        result, got = self._read(keys, out)
+        self._fetched = {k: (p, d) for k, p, d in zip(keys, got.payloads, got.digests)}
+        return result
+
+    def read(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None) -> FetchResult:
+        """`fetch` for callers with several requests between a read and its commit: nothing is kept for the
+        commit, which reads a block it promotes from its tier again (`out` may be reused by then)."""
+        return self._read(keys, out)[0]
+
+    def _read(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None):
         got = self.plane.fetch(keys, out)
         self._drain_events()  # a corrupt block left the tiers
-        self._fetched = {k: (p, d) for k, p, d in zip(keys, got.payloads, got.digests)}
         return FetchResult(len(got.payloads), got.payloads, tuple(self.backends[t].name for t in got.tiers),
-                           got.corrupt)
+                           got.corrupt), got
 
     def commit(self, keys: Sequence[BlockKey], new_payloads: Sequence[np.ndarray | None], ctx: RequestContext) -> None:
         """After a request ran: make its blocks resident per the policy and move the bytes.
@@ -92,6 +110,12 @@ class TieredStore:
                 self.evictions[m.src] += 1
         self._drain_events()
         self._fetched = {}
+
+    def place(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray], ctx: RequestContext) -> None:
+        """Blocks read from elsewhere (another node's tiers), kept here without counting a use: the request
+        that read them counts it at its `commit`."""
+        self.plane.place(keys, {k: (p, None) for k, p in zip(keys, payloads)}, ctx)
+        self._drain_events()
 
     def _drain_events(self) -> None:
         events = self.manager.drain_events()
