@@ -58,15 +58,19 @@ def transfer_config(cfg: VLLMAppConfig) -> dict | None:
             "kv_connector_extra_config": cfg.connector.model_dump(exclude_none=True)}
 
 
-def vllm_sampling(params: SamplingParams):
-    """The front's sampling parameters as vLLM's, streamed as deltas."""
+def vllm_sampling(params: SamplingParams, session: str = ""):
+    """The front's sampling parameters as vLLM's, streamed as deltas; the session (the API's `user`) travels in
+    `kv_transfer_params` to kvcluster's connector, whose eviction policy learns its pace."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM
 
     return VLLMSamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_tokens=params.min_tokens, stop=list(params.stop), seed=params.seed, ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=RequestOutputKind.DELTA)
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": {SESSION_PARAM: session}} if session else None)
 
 
 def entry(token: int, position: dict, top: int) -> tuple[int, float, list[tuple[int, float]]]:
@@ -116,7 +120,7 @@ class VLLMReplica:
             prompt["cache_salt"] = request["cache_salt"]
         request_id = uuid.uuid4().hex
         started = time.perf_counter()
-        queue = self.loop.submit(request_id, prompt, vllm_sampling(params))
+        queue = self.loop.submit(request_id, prompt, vllm_sampling(params, request.get("session", "")))
         first, done, completion = True, False, 0
         try:
             while not done:
@@ -162,6 +166,8 @@ class VLLMReplica:
         stores = list(engine_stores().values())
         counts = {k: getattr(stores[0], k) for k in ("loaded_blocks", "saved_blocks", "failed_blocks")} \
             if stores else {}
+        if stores:  # sessions whose pace the connector's policy learns (the API's `user`)
+            counts["sessions"] = stores[0].local.tiered.manager.sessions_known()
         return {"pid": os.getpid(), "served": self.served, "block_size": self.block_size,
                 "startup_s": self.startup_s, "connector": counts}
 

@@ -61,13 +61,15 @@ def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(cl
     assert info["connector"]["loaded_blocks"] == 0
 
 
-def test_chat_reports_cached_tokens_too(client) -> None:
+def test_chat_reports_cached_tokens_too_and_the_user_is_the_session_the_policy_learns(client) -> None:
     messages = [{"role": "system", "content": LONG_PROMPT}, {"role": "user", "content": "and then?"}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, user="alice")
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, user="alice")
     assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert first.choices[0].message.content == second.choices[0].message.content
+    info = serve.get_deployment_handle("VLLMReplica", app_name="vllm").info.remote().result()
+    assert info["connector"]["sessions"] == 1  # the first test's requests named no user
 
 
 def test_a_bad_request_is_a_400_naming_the_field(client) -> None:

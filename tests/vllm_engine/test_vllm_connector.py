@@ -117,6 +117,40 @@ def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference
     close(llm)
 
 
+def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(model_dir, reference,
+                                                                                tmp_path) -> None:
+    """The store gets a request's blocks in one call per step: the bytes it computed, the blocks it loaded as
+    uses (no bytes), their pairs (prompt blocks, cold first, then continuing a cached prefix) and the session
+    its `kv_transfer_params` name."""
+    from kvcluster.block_types import BlockType, TransitionType, pair_index
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM
+
+    cold, warm = reference
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 8}], policy="bayes", async_saves=False)
+    calls, store = [], shared.store.store
+
+    def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session=""):
+        calls.append((list(keys), [p is None for p in payloads], list(pairs or ()), session))
+        store(keys, payloads, pairs, finish, output_tokens, session)
+
+    shared.store.store = recorded
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0,
+                                 extra_args={"kv_transfer_params": {SESSION_PARAM: "tenant/alice"}})
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == cold[0]
+    first = pair_index(BlockType.HISTORY, TransitionType.FIRST)
+    assert calls == [(KEYS, [False] * 4, [first] * 4, "tenant/alice")]
+    assert shared.store.tiered.manager.sessions_known() == 1
+
+    llm.reset_prefix_cache()  # the prefix comes from kvcluster: its blocks are uses of this request
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == warm[0] and out.num_cached_tokens == 4 * BLOCK
+    assert calls[1:] == [(KEYS, [True] * 4, [pair_index(BlockType.HISTORY, TransitionType.APPEND)] * 4,
+                          "tenant/alice")]
+    assert shared.saved_blocks == 4 and shared.loaded_blocks == 4
+    close(llm)
+
+
 def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(model_dir, reference,
                                                                             tmp_path) -> None:
     cold, warm = reference
@@ -235,44 +269,57 @@ class LendingEngine:
 
 def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_from_its_pages(model_dir,
                                                                                              two_nodes) -> None:
-    """An engine on n0 lends its paged KV: the index finds the prompt's 4 blocks at (n0, hbm), and an engine
-    on n1 reads them over NIXL from n0's pages into its own (chosen over n0's dram copy: hbm is faster), giving
-    the output of n0's own prefix cache bit for bit. A bit flipped in n0's pages fails its checksum at n1: that
-    block is read from its next copy, n0's dram, and the output is the same. Once the n0 engine shuts down the
-    index forgets its pages, and lists n0's dram copies only."""
+    """An engine on n0 lends its paged KV: the index finds each prompt's 4 blocks at (n0, hbm), and an engine
+    on n1 reads the first prompt's over NIXL from n0's pages into its own (chosen over n0's dram copy: hbm is
+    faster), giving the output of n0's own prefix cache bit for bit. That use moves the blocks to n1 (the
+    control plane's policy places what a node's requests use), where the next engine there would read them.
+    A bit flipped in n0's pages of the second prompt fails its checksum at n1: that block is read from its
+    next copy, n0's dram, and the output is the same. Once the n0 engine shuts down the index forgets its
+    pages, and lists the other copies only."""
     import ray
 
     from kvcluster.actors.index_client import IndexClient
 
-    prompt = [random.Random(11).randrange(3, 32000) for _ in range(4 * BLOCK + 40)]
-    keys = KeySpace(model=FINGERPRINT).chain_token_ids(prompt, BLOCK)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 32000) for _ in range(4 * BLOCK + 40)] for _ in range(2)]
+    chains = [KeySpace(model=FINGERPRINT).chain_token_ids(prompt, BLOCK) for prompt in prompts]
     env = {k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
                                       "VLLM_TARGET_DEVICE") if k in os.environ}
     here = str(Path(__file__).resolve().parent)  # the actor's class is this module's: its worker imports it
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
     lender = ray.remote(LendingEngine).options(num_cpus=0, resources={"n0": 0.1}, runtime_env={"env_vars": env}) \
         .remote(str(model_dir), "n0")
-    cold = ray.get(lender.generate.remote(prompt), timeout=240)
-    warm = ray.get(lender.generate.remote(prompt))  # from n0's own prefix cache: the reference for its pages
-    assert cold[2] == 0 and warm[2] == 4 * BLOCK
-    assert None not in ray.get(lender.lent_blocks.remote(keys))
+    warm = []
+    for prompt, keys in zip(prompts, chains):
+        cold = ray.get(lender.generate.remote(prompt), timeout=240)
+        warm.append(ray.get(lender.generate.remote(prompt)))  # from n0's own prefix cache: the reference
+        assert cold[2] == 0 and warm[-1][2] == 4 * BLOCK
+        assert None not in ray.get(lender.lent_blocks.remote(keys))
     index = IndexClient.connect()
+
+    def listed(keys, where) -> bool:
+        match = index.longest_prefix(keys)
+        return match.length == 4 and all(any(where(loc) for loc in locs) for locs in match.locations)
+
     deadline = time.monotonic() + 30
-    while index.longest_prefix(keys).length < 4 \
-            or not all(("n0", "hbm") in locs for locs in index.longest_prefix(keys).locations):
+    while not all(listed(keys, lambda loc: tuple(loc) == ("n0", "hbm")) for keys in chains):
         assert time.monotonic() < deadline, "the index never learned of n0's lent pages"  # reported per step
         time.sleep(0.2)
 
     local = [{"kind": "dram", "capacity_mib": 8}]
     llm, shared = engine(model_dir, local, {"node": "n1"})
-    assert generate(llm, prompt) == warm
+    assert generate(llm, prompts[0]) == warm[0]
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
     assert (shared.store.counters["lent_pages"], shared.store.counters["nixl_in_place"]) == (4, 4)
     close(llm)
+    deadline = time.monotonic() + 30
+    while not listed(chains[0], lambda loc: loc[0] == "n1" and loc[1] != "hbm"):
+        assert time.monotonic() < deadline, "the blocks n1 used were not moved to n1's tiers"
+        time.sleep(0.2)
 
-    ray.get(lender.flip_a_bit.remote(keys[2]))  # block 2 rots in n0's pages
+    ray.get(lender.flip_a_bit.remote(chains[1][2]))  # block 2 of the second prompt rots in n0's pages
     llm, shared = engine(model_dir, local, {"node": "n1"})
-    assert generate(llm, prompt) == warm  # block 2 from n0's dram instead, into the pages the bad copy filled
+    assert generate(llm, prompts[1]) == warm[1]  # block 2 from n0's dram instead, into the pages the bad copy filled
     counters = shared.store.counters
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
     assert (counters["lent_pages"], counters["second_copies"], counters["dram"]) == (3, 1, 1)
@@ -280,18 +327,19 @@ def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_fr
 
     ray.get(lender.close.remote())  # retires its pages: the index forgets them before shutdown returns
     ray.kill(lender)
-    match = index.longest_prefix(keys)  # n0's dram copies stay (read after a lender left: the TP test)
+    match = index.longest_prefix(chains[1])  # the copies n1 moved to its tiers stay
     assert match.length == 4 and all(("n0", "hbm") not in locs for locs in match.locations)
 
 
 def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_recomputed(model_dir, reference,
                                                                                         two_nodes) -> None:
-    """An engine on n0 saves the prompt's blocks: the control plane places them in n0's dram tier actor. A fresh
-    engine on n1 is told by the cluster's index that all 4 are held and reads them from n0's dram over NIXL,
-    giving vLLM's own output bit for bit, the blocks written over NIXL straight into its paged KV. A block that
-    rots in n0's memory fails its checksum in the pages it landed in: that block and the ones after it are
-    recomputed. With n0's tier actor killed, the next engine is promised the blocks by the index, cannot load
-    them, and recomputes: the same tokens."""
+    """An engine on n0 saves two prompts' blocks: the control plane places them in n0's dram tier actor. A fresh
+    engine on n1 is told by the cluster's index that all 4 of the first are held and reads them from n0's dram
+    over NIXL, giving vLLM's own output bit for bit, the blocks written over NIXL straight into its paged KV;
+    its use moves them to n1's dram. A block of the second prompt that rots in n0's memory fails its checksum
+    in the pages it landed in: that block and the ones after it are recomputed. With n1's tier actor killed, an
+    engine on n0 is promised the first prompt's blocks by the index, cannot load them, and recomputes: the
+    same tokens."""
     import ray
 
     from kvcluster.actors.index_actor import NAMESPACE
@@ -299,16 +347,24 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     from kvcluster.actors.tier_actor import actor_name
 
     cold, warm = reference
+    other = [random.Random(13).randrange(3, 32000) for _ in range(4 * BLOCK + 20)]
+    other_keys = KeySpace(model=FINGERPRINT).chain_token_ids(other, BLOCK)
     local = [{"kind": "dram", "capacity_mib": 8}]
     llm, shared = engine(model_dir, local, {"node": "n0"})
-    assert generate(llm) == cold and shared.saved_blocks == 4
+    assert generate(llm) == cold
+    other_cold = generate(llm, other)  # computed: the reference for the second prompt
+    assert other_cold[2] == 0 and shared.saved_blocks == 8
     close(llm)
     index = IndexClient.connect()
+
+    def where(keys) -> set:
+        return {tuple(loc) for locs in index.longest_prefix(keys).locations for loc in locs}
+
     deadline = time.monotonic() + 30
-    while index.longest_prefix(KEYS).length < 4:  # the control plane's placement is fire-and-forget
-        assert time.monotonic() < deadline, "the cluster never indexed the saved blocks"
+    while index.longest_prefix(KEYS).length < 4 or index.longest_prefix(other_keys).length < 4:
+        assert time.monotonic() < deadline, "the cluster never indexed the saved blocks"  # placed fire-and-forget
         time.sleep(0.2)
-    assert {loc for locs in index.longest_prefix(KEYS).locations for loc in locs} == {("n0", "dram")}
+    assert where(KEYS) == where(other_keys) == {("n0", "dram")}
 
     llm, shared = engine(model_dir, local, {"node": "n1"})  # nothing in its own tiers
     assert generate(llm) == warm  # the same KV bytes as vLLM's own prefix cache: same log-probabilities
@@ -319,15 +375,19 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     assert generate(llm) == warm  # now from its own dram: the blocks were promoted there as they landed
     assert (shared.loaded_blocks, shared.store.counters["nixl_blocks"], shared.store.counters["hbm"]) == (8, 4, 4)
     close(llm)
+    deadline = time.monotonic() + 30
+    while where(KEYS) != {("n1", "dram")}:  # the request's use moved them to the node serving it
+        assert time.monotonic() < deadline, f"n1's use did not move its blocks there: {where(KEYS)}"
+        time.sleep(0.2)
 
     def flip_a_bit(tier_actor, key: bytes) -> None:  # runs inside the tier actor (nested: pickled by value)
         tier_actor.backend.pool[tier_actor.backend.table.get(key).slot, 5] ^= 0x01
 
     dram_n0 = ray.get_actor(actor_name("n0", "dram"), namespace=NAMESPACE)
-    ray.get(dram_n0.__ray_call__.remote(flip_a_bit, KEYS[2]))  # block 2 rots in n0's memory
+    ray.get(dram_n0.__ray_call__.remote(flip_a_bit, other_keys[2]))  # block 2 rots in n0's memory
     llm, shared = engine(model_dir, local, {"node": "n1"})
-    tokens, logprobs, _ = generate(llm)
-    assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
+    tokens, logprobs, _ = generate(llm, other)
+    assert tokens == other_cold[0] and logprobs == pytest.approx(other_cold[1], abs=1e-4)
     assert (shared.loaded_blocks, shared.failed_blocks) == (2, 2)  # its bad pages and those after: recomputed
     assert shared.store.counters["nixl_in_place"] == 2
     close(llm)
@@ -335,8 +395,8 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     with pytest.raises(Exception, match="cluster.node: no tier actors of node 'n7' are running"):
         engine(model_dir, local, {"node": "n7"})  # a node the cluster does not have: refused by name, at startup
 
-    ray.kill(ray.get_actor(actor_name("n0", "dram"), namespace=NAMESPACE), no_restart=True)
-    llm, shared = engine(model_dir, local, {"node": "n1"})
+    ray.kill(ray.get_actor(actor_name("n1", "dram"), namespace=NAMESPACE), no_restart=True)
+    llm, shared = engine(model_dir, local, {"node": "n0"})
     tokens, logprobs, _ = generate(llm)
     assert tokens == cold[0] and logprobs == pytest.approx(cold[1], abs=1e-4)
     assert (shared.loaded_blocks, shared.failed_blocks) == (0, 4)  # promised by the index, recomputed by vLLM

@@ -8,12 +8,14 @@ comes past it.
 
 Scheduler side: `get_num_new_matched_tokens` counts the leading run of the request's blocks past vLLM's
 local hit that the store holds, in any tier; `build_connector_meta` hands the worker that load and the
-blocks each scheduled request completes this step. Worker side: `start_load_kv` reads each request's
-run with one batched, checksummed fetch; `wait_for_save` gathers each request's new full blocks from the
-paged tensors after the forward and stores them in one batch. A block whose bytes fail their checksum
-(or vanished since the lookup) ends the run: it and the blocks after it are reported through
-`get_block_ids_with_load_errors`, and vLLM (`kv_load_failure_policy="recompute"`, required) recomputes
-them.
+blocks each scheduled request completes this step, with what the eviction policy knows of the request
+(`RequestFacts`). Worker side: `start_load_kv` reads each request's run with one batched, checksummed
+fetch; `wait_for_save` gathers each request's new full blocks from the paged tensors after the forward
+and stores them in one batch, with the blocks it loaded or found held: the policy counts a request's use
+of its blocks there, once per step, as the replay counts a trace request's. A block whose bytes fail
+their checksum (or vanished since the lookup) ends the run: it and the blocks after it are reported
+through `get_block_ids_with_load_errors`, and vLLM (`kv_load_failure_policy="recompute"`, required)
+recomputes them.
 
 Asynchronous by default (`async_loads`, `async_saves`), so a slow tier (a file, another node) stalls no
 other request: a load is read on a loader thread while the request waits in vLLM's
@@ -47,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ...block_types import BlockType, TransitionType, pair_index
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace, shard_key
 from .holdings import RankReport, WorkerHoldings
@@ -73,13 +76,51 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+SESSION_PARAM = "kvcluster_session"
+"""The request's `kv_transfer_params` key that names its session (an end user, a conversation): the eviction
+policy learns each session's pace between requests (`policies/bayes.py`). vLLM's OpenAI server takes
+`kv_transfer_params` in the request body; kvcluster's front sets it from the API's `user`."""
+MAX_SESSION_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What the eviction policy knows of a request on the engine path: its session, whether it continued a
+    cached prefix (APPEND) or started cold (FIRST), and how many of its tokens are prompt (the blocks past
+    it hold the answer). The engine gives no roles and no finish reason before the blocks are stored."""
+
+    session: str = ""
+    transition: int = int(TransitionType.FIRST)
+    prompt_tokens: int = 0
+
+    def pairs(self, first: int, end: int, block_size: int) -> tuple[int, ...]:
+        """The (block type, transition) pair of blocks first..end-1: prompt (HISTORY) or answer (OUTPUT), by
+        which holds most of the block's tokens."""
+        half = block_size // 2
+        return tuple(pair_index(BlockType.HISTORY if j * block_size + half < self.prompt_tokens else BlockType.OUTPUT,
+                                self.transition) for j in range(first, end))
+
+
+def request_session(request: "Request") -> str:
+    """The session the request names in its `kv_transfer_params` ("" when none, or not a string: the request
+    was accepted by vLLM already, so a bad value only loses the policy that knowledge)."""
+    params = request.kv_transfer_params
+    session = params.get(SESSION_PARAM) if isinstance(params, dict) else None
+    if not isinstance(session, str):
+        return ""
+    return session[:MAX_SESSION_CHARS]
+
+
 @dataclass(frozen=True)
 class BlockTransfer:
-    """Blocks of one request to move: kvcluster keys and the vLLM block ids they belong in, in order."""
+    """Blocks of one request to move: kvcluster keys and the vLLM block ids they belong in, in order; a save
+    also carries the blocks' pairs and the request's session, for the eviction policy."""
 
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    pairs: tuple[int, ...] = ()
+    session: str = ""
 
 
 @dataclass
@@ -109,6 +150,7 @@ class _Tracked:
     saved: int = 0  # blocks handed to the worker for saving (or known stored)
     load_start: int = 0  # index of the first block of its last load
     no_load_from: int | None = None  # a load of this block failed: it and later ones are computed, not offered
+    facts: RequestFacts | None = None  # set when first scheduled
 
 
 class KVClusterConnector(KVConnectorBase_V1):
@@ -263,6 +305,10 @@ class KVClusterConnector(KVConnectorBase_V1):
             if self._lend:  # the blocks the forward writes into stop holding what they held
                 first, end = computed[req_id] // self._block_size, -(-(computed[req_id] + scheduled) // self._block_size)
                 meta.written.extend(self._kv_cache_manager.get_block_ids(req_id)[0][first:end])
+            if tracked.facts is None:  # first scheduled: whatever it did not compute came from a cached prefix
+                request = tracked.request
+                transition = TransitionType.APPEND if computed[req_id] else TransitionType.FIRST
+                tracked.facts = RequestFacts(request_session(request), int(transition), request.num_prompt_tokens)
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             full = (computed[req_id] + scheduled - drafts) // self._block_size  # blocks complete after this step
             if full <= tracked.saved:
@@ -270,7 +316,8 @@ class KVClusterConnector(KVConnectorBase_V1):
             keys = self._chain(tracked, full)
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             lo = tracked.saved
-            meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full])))
+            meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full]),
+                                            tracked.facts.pairs(lo, full, self._block_size), tracked.facts.session))
             tracked.saved = full
         return meta
 
@@ -411,32 +458,41 @@ class KVClusterConnector(KVConnectorBase_V1):
         """Nothing per layer: `wait_for_save` stores each request's blocks, all layers, in one batch."""
 
     def wait_for_save(self):
+        """Each request's blocks completed this step, in one store call: the bytes of those the tiers lack
+        (gathered from the paged KV), and the ones held already (loaded, or stored by another request) as
+        uses, with the request's pairs and session."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
         for save in meta.saves:
-            todo = []
             keys = self._stored(save.keys)
             held = self._shared.local.holds(keys)
             complete = 0
-            for key, block_id, here in zip(keys, save.block_ids, held):
+            todo: list[int] = []  # positions whose bytes the tiers lack
+            for j, (block_id, here) in enumerate(zip(save.block_ids, held)):
                 if block_id in self._failed_this_step:  # its bytes are not this key's: recomputed next step
                     break
                 complete += 1
                 if not here:
-                    todo.append((key, block_id))
+                    todo.append(j)
+            if not complete:
+                continue
+            keys = keys[:complete]
             if self._lending is not None:
-                self._lending.lend(keys[:complete], save.block_ids[:complete])
-            if todo:
-                ids, keys = [b for _, b in todo], [k for k, _ in todo]
-                if self._saver is None:
-                    rows = self._paged.gather(ids)  # reused by the next gather: stored first
-                    self._store.store(keys, [row.numpy() for row in rows])
-                else:  # copied out of the paged KV now (its blocks may be freed after this step), stored behind
-                    rows = self._paged.gather(ids, into=self._paged.new_rows(len(ids)))
-                    future = self._saver.submit(self._store.store, keys, [row.numpy() for row in rows])
-                    future.add_done_callback(_report)
-                    self._shared.saving.append(future)
-                self._shared.saved_blocks += len(todo)
+                self._lending.lend(keys, save.block_ids[:complete])
+            payloads: list = [None] * complete
+            if todo:  # with a saver: copied out now, as the blocks may be freed after this step
+                into = None if self._saver is None else self._paged.new_rows(len(todo))
+                rows = self._paged.gather([save.block_ids[j] for j in todo], into=into)
+                for j, row in zip(todo, rows):
+                    payloads[j] = row.numpy()
+            args = (keys, payloads, list(save.pairs[:complete]) or None)
+            if self._saver is None:  # the rows are reused by the next gather: stored first
+                self._store.store(*args, session=save.session)
+            else:
+                future = self._saver.submit(self._store.store, *args, session=save.session)
+                future.add_done_callback(_report)
+                self._shared.saving.append(future)
+            self._shared.saved_blocks += len(todo)
 
     def build_connector_worker_meta(self) -> "KVClusterWorkerMetadata | None":
         """A worker in a process of its own tells the scheduler which blocks entered and left its tiers (all it

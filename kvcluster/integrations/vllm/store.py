@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ...cluster_config import DEFAULT_POLICY
 from ...errors import ConfigError
 from ...keys import BlockKey
 from ...policies import policy_names
@@ -72,7 +73,8 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tiers: list[TierConfig] = Field(min_length=1, description="fastest first; new blocks enter the first")
-    policy: str = Field("lru", description="eviction policy of every tier (see `kvcluster replay --policies`)")
+    policy: str = Field(DEFAULT_POLICY, description="eviction policy of the tiers, as a cluster's (`bayes` runs in "
+                                                   "the first tier, LRU below; see `kvcluster replay --policies`)")
     model_fingerprint: str | None = Field(
         None, description="what makes this engine's KV unique; default: model, revision, dtype, load format, "
                           "KV layout. Engines that share a store must agree on it")
