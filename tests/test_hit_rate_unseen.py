@@ -55,7 +55,8 @@ def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
 
 @pytest.mark.parametrize("script, first_trace", [("hit_rate_unseen", "sharegpt_v3/sharegpt_v3_subset.jsonl"),
                                                   ("hit_rate", "mooncake/synthetic_trace.jsonl"),
-                                                  ("control_memory", "mooncake/synthetic_trace.jsonl")])
+                                                  ("control_memory", "mooncake/synthetic_trace.jsonl"),
+                                                  ("serving_commits", "mooncake/synthetic_trace.jsonl")])
 def test_missing_data_is_a_clear_error_not_a_traceback(tmp_path, script, first_trace) -> None:
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
     run = subprocess.run([sys.executable, str(path), "--json"], capture_output=True, text=True,
