@@ -145,9 +145,17 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     llm.reset_prefix_cache()  # the prefix comes from kvcluster: its blocks are uses of this request
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == warm[0] and out.num_cached_tokens == 4 * BLOCK
-    assert calls[1:] == [(KEYS, [True] * 4, [pair_index(BlockType.HISTORY, TransitionType.APPEND)] * 4,
-                          "tenant/alice")]
+    append = pair_index(BlockType.HISTORY, TransitionType.APPEND)
+    assert calls[1:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice")]
     assert shared.saved_blocks == 4 and shared.loaded_blocks == 4
+
+    # an answer that completes a block: a save of its own in a later step, which names no session (two saves of
+    # one request seconds apart are not two requests of its session)
+    longer = vllm.SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, extra_args=params.extra_args)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], longer, use_tqdm=False)[0]
+    fifth = KeySpace(model=FINGERPRINT).chain_token_ids(PROMPT + list(out.outputs[0].token_ids)[:40], BLOCK)[4]
+    assert calls[2:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice"), ([fifth], [False], [append], "")]
+    assert shared.store.tiered.manager.sessions_known() == 1
     close(llm)
 
 

@@ -87,7 +87,11 @@ MAX_SESSION_CHARS = 256
 class RequestFacts:
     """What the eviction policy knows of a request on the engine path: its session, whether it continued a
     cached prefix (APPEND) or started cold (FIRST), and how many of its tokens are prompt (the blocks past
-    it hold the answer). The engine gives no roles and no finish reason before the blocks are stored."""
+    it hold the answer). The engine gives no roles and no finish reason before the blocks are stored.
+
+    Only a request's first save names its session: the policy takes the time between two stores of a
+    session for the gap between two of its requests, and the saves of one request (the blocks its answer
+    completes, a prompt's later chunks) come seconds apart."""
 
     session: str = ""
     transition: int = int(TransitionType.FIRST)
@@ -151,6 +155,7 @@ class _Tracked:
     load_start: int = 0  # index of the first block of its last load
     no_load_from: int | None = None  # a load of this block failed: it and later ones are computed, not offered
     facts: RequestFacts | None = None  # set when first scheduled
+    session_told: bool = False  # a save has named the request's session
 
 
 class KVClusterConnector(KVConnectorBase_V1):
@@ -316,9 +321,10 @@ class KVClusterConnector(KVConnectorBase_V1):
             keys = self._chain(tracked, full)
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             lo = tracked.saved
+            session = "" if tracked.session_told else tracked.facts.session
             meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full]),
-                                            tracked.facts.pairs(lo, full, self._block_size), tracked.facts.session))
-            tracked.saved = full
+                                            tracked.facts.pairs(lo, full, self._block_size), session))
+            tracked.saved, tracked.session_told = full, True
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
