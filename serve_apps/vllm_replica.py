@@ -58,19 +58,22 @@ def transfer_config(cfg: VLLMAppConfig) -> dict | None:
             "kv_connector_extra_config": cfg.connector.model_dump(exclude_none=True)}
 
 
-def vllm_sampling(params: SamplingParams, session: str = ""):
-    """The front's sampling parameters as vLLM's, streamed as deltas; the session (the API's `user`) travels in
-    `kv_transfer_params` to kvcluster's connector, whose eviction policy learns its pace."""
+def vllm_sampling(params: SamplingParams, session: str = "", spans=()):
+    """The front's sampling parameters as vLLM's, streamed as deltas. The session (the API's `user`) and the
+    prompt's roles (`spans`: (block type, tokens) of the rendered chat) travel in `kv_transfer_params` to
+    kvcluster's connector, whose eviction policy classes the request's blocks by them."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from kvcluster.integrations.vllm.connector import SESSION_PARAM
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM, SPANS_PARAM
 
+    facts = ({SESSION_PARAM: session} if session else {}) | ({SPANS_PARAM: [[int(t), int(n)] for t, n in spans]}
+                                                             if spans else {})
     return VLLMSamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_tokens=params.min_tokens, stop=list(params.stop), seed=params.seed, ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": {SESSION_PARAM: session}} if session else None)
+        extra_args={"kv_transfer_params": facts} if facts else None)
 
 
 def entry(token: int, position: dict, top: int) -> tuple[int, float, list[tuple[int, float]]]:
@@ -120,7 +123,7 @@ class VLLMReplica:
             prompt["cache_salt"] = request["cache_salt"]
         request_id = uuid.uuid4().hex
         started = time.perf_counter()
-        queue = self.loop.submit(request_id, prompt, vllm_sampling(params, request.get("session", "")))
+        queue = self.loop.submit(request_id, prompt, vllm_sampling(params, request.get("session", ""), request.get("spans", ())))
         first, done, completion = True, False, 0
         try:
             while not done:

@@ -120,10 +120,10 @@ def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference
 def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(model_dir, reference,
                                                                                 tmp_path) -> None:
     """The store gets a request's blocks in one call per step: the bytes it computed, the blocks it loaded as
-    uses (no bytes), their pairs (prompt blocks, cold first, then continuing a cached prefix) and the session
-    its `kv_transfer_params` name."""
+    uses (no bytes), their pairs (the prompt's roles its `kv_transfer_params` name, HISTORY without them; cold
+    first, then continuing a cached prefix) and the session they name."""
     from kvcluster.block_types import BlockType, TransitionType, pair_index
-    from kvcluster.integrations.vllm.connector import SESSION_PARAM
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM, SPANS_PARAM
 
     cold, warm = reference
     llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 8}], policy="bayes", async_saves=False)
@@ -134,13 +134,17 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
         store(keys, payloads, pairs, finish, output_tokens, session)
 
     shared.store.store = recorded
+    roles = [[int(BlockType.SYSTEM), 300], [int(BlockType.HISTORY), len(PROMPT) - 300]]  # a 300-token system prompt
+    first = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, extra_args={
+        "kv_transfer_params": {SESSION_PARAM: "tenant/alice", SPANS_PARAM: roles}})
+    out = llm.generate([{"prompt_token_ids": PROMPT}], first, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == cold[0]
+    cold_pairs = [pair_index(t, TransitionType.FIRST) for t in (BlockType.SYSTEM,) * 2 + (BlockType.HISTORY,) * 2]
+    assert calls == [(KEYS, [False] * 4, cold_pairs, "tenant/alice")]  # block 2: 44 system tokens, 84 history
+    assert shared.store.tiered.manager.sessions_known() == 1
+
     params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0,
                                  extra_args={"kv_transfer_params": {SESSION_PARAM: "tenant/alice"}})
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
-    assert list(out.outputs[0].token_ids) == cold[0]
-    first = pair_index(BlockType.HISTORY, TransitionType.FIRST)
-    assert calls == [(KEYS, [False] * 4, [first] * 4, "tenant/alice")]
-    assert shared.store.tiered.manager.sessions_known() == 1
 
     llm.reset_prefix_cache()  # the prefix comes from kvcluster: its blocks are uses of this request
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
@@ -157,6 +161,22 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     assert calls[2:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice"), ([fifth], [False], [append], "")]
     assert shared.store.tiered.manager.sessions_known() == 1
     close(llm)
+
+
+@pytest.mark.parametrize("spans", [None, "system", [[0, 600]], [[0, 300], [1, 301]], [[9, 300], [1, 300]],
+                                   [[0, 300], [1, -1], [1, 301]], [[0, 300.0], [1, 300]], [[0, 300, 1], [1, 300]]])
+def test_roles_that_do_not_describe_the_prompt_leave_it_history(spans) -> None:
+    from types import SimpleNamespace
+
+    from kvcluster.block_types import BlockType
+    from kvcluster.integrations.vllm.connector import SPANS_PARAM, prompt_types
+
+    request = SimpleNamespace(kv_transfer_params={SPANS_PARAM: spans}, num_prompt_tokens=600)
+    types = prompt_types(request, BLOCK)
+    if spans == [[0, 600]]:  # all system prompt: the fifth block holds 88 of its tokens and 40 of the answer
+        assert types == (BlockType.SYSTEM,) * 5
+    else:  # not a list of [type, tokens] pairs adding up to the prompt: ignored
+        assert types == (BlockType.HISTORY,) * 5
 
 
 def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(model_dir, reference,

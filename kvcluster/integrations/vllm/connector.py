@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...block_types import BlockType, TransitionType, pair_index
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace, shard_key
+from ...traces.classify import majority_block_types
 from .holdings import RankReport, WorkerHoldings
 from .lending import PagedKVLending
 from .paged_kv import PagedKV
@@ -80,14 +81,21 @@ SESSION_PARAM = "kvcluster_session"
 """The request's `kv_transfer_params` key that names its session (an end user, a conversation): the eviction
 policy learns each session's pace between requests (`policies/bayes.py`). vLLM's OpenAI server takes
 `kv_transfer_params` in the request body; kvcluster's front sets it from the API's `user`."""
+SPANS_PARAM = "kvcluster_spans"
+"""The `kv_transfer_params` key of the prompt's roles: [[block type, tokens], ...] in order (`BlockType` values:
+a system prompt is SYSTEM, a tool result TOOL, ...), adding up to the prompt. kvcluster's front sends its
+rendered chat's; the policy ranks a request's leading SYSTEM blocks as a prefix other sessions share."""
 MAX_SESSION_CHARS = 256
+MAX_SPANS = 4096
+_BLOCK_TYPES = frozenset(int(t) for t in BlockType)
 
 
 @dataclass(frozen=True)
 class RequestFacts:
     """What the eviction policy knows of a request on the engine path: its session, whether it continued a
-    cached prefix (APPEND) or started cold (FIRST), and how many of its tokens are prompt (the blocks past
-    it hold the answer). The engine gives no roles and no finish reason before the blocks are stored.
+    cached prefix (APPEND) or started cold (FIRST), and the types of its prompt's blocks (the block holding
+    the prompt's end included; the blocks past it hold the answer). The engine gives no finish reason
+    before the blocks are stored.
 
     Only a request's first save names its session: the policy takes the time between two stores of a
     session for the gap between two of its requests, and the saves of one request (the blocks its answer
@@ -95,14 +103,27 @@ class RequestFacts:
 
     session: str = ""
     transition: int = int(TransitionType.FIRST)
-    prompt_tokens: int = 0
+    prompt_types: tuple[int, ...] = ()
 
-    def pairs(self, first: int, end: int, block_size: int) -> tuple[int, ...]:
-        """The (block type, transition) pair of blocks first..end-1: prompt (HISTORY) or answer (OUTPUT), by
-        which holds most of the block's tokens."""
-        half = block_size // 2
-        return tuple(pair_index(BlockType.HISTORY if j * block_size + half < self.prompt_tokens else BlockType.OUTPUT,
-                                self.transition) for j in range(first, end))
+    def pairs(self, first: int, end: int) -> tuple[int, ...]:
+        """The (block type, transition) pair of blocks first..end-1."""
+        types, output = self.prompt_types, int(BlockType.OUTPUT)
+        return tuple(pair_index(types[j] if j < len(types) else output, self.transition) for j in range(first, end))
+
+
+def prompt_types(request: "Request", block_size: int) -> tuple[int, ...]:
+    """The types of the prompt's blocks, by the type holding most of each block's tokens (the answer fills the
+    last): from the spans the request's `kv_transfer_params` name, or all HISTORY when it names none, or
+    ones that are not [[type, tokens], ...] adding up to the prompt (a bad value only loses the policy that
+    knowledge: vLLM accepted the request already)."""
+    params, n = request.kv_transfer_params, request.num_prompt_tokens
+    spans = params.get(SPANS_PARAM) if isinstance(params, dict) else None
+    valid = (isinstance(spans, list) and len(spans) <= MAX_SPANS
+             and all(isinstance(span, (list, tuple)) and len(span) == 2 and all(type(v) is int for v in span)
+                     and span[0] in _BLOCK_TYPES and span[1] >= 0 for span in spans)
+             and sum(span[1] for span in spans) == n)
+    runs = [(BlockType(t), k) for t, k in spans] if valid else [(BlockType.HISTORY, n)]
+    return tuple(int(t) for t in majority_block_types(runs + [(BlockType.OUTPUT, block_size)], block_size))
 
 
 def request_session(request: "Request") -> str:
@@ -313,7 +334,8 @@ class KVClusterConnector(KVConnectorBase_V1):
             if tracked.facts is None:  # first scheduled: whatever it did not compute came from a cached prefix
                 request = tracked.request
                 transition = TransitionType.APPEND if computed[req_id] else TransitionType.FIRST
-                tracked.facts = RequestFacts(request_session(request), int(transition), request.num_prompt_tokens)
+                tracked.facts = RequestFacts(request_session(request), int(transition),
+                                             prompt_types(request, self._block_size))
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             full = (computed[req_id] + scheduled - drafts) // self._block_size  # blocks complete after this step
             if full <= tracked.saved:
@@ -323,7 +345,7 @@ class KVClusterConnector(KVConnectorBase_V1):
             lo = tracked.saved
             session = "" if tracked.session_told else tracked.facts.session
             meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full]),
-                                            tracked.facts.pairs(lo, full, self._block_size), session))
+                                            tracked.facts.pairs(lo, full), session))
             tracked.saved, tracked.session_told = full, True
         return meta
 
