@@ -241,6 +241,18 @@ def test_a_remembered_block_returns_as_a_reuse_and_a_forgotten_one_as_new() -> N
     policy.check_integrity()
 
 
+def test_a_block_admitted_with_no_use_known_here_is_not_reused_at_its_first_use() -> None:
+    policy = BayesPolicy(capacity=8)
+    policy.access([1, 2], ctx(0, 2, 0.0))
+    policy.admit([3, 4], ctx(1, 0, 5.0))  # read from elsewhere: arrived, never used here
+    reused = sum(map(sum, policy.model.reused))
+    policy.access([3, 4, 5], ctx(2, 3, 6.0))
+    assert sum(map(sum, policy.model.reused)) == reused  # their gap would be the 1 s since they arrived
+    policy.access([1, 3], ctx(3, 2, 9.0))  # used here since: reuses, both
+    assert sum(map(sum, policy.model.reused)) == reused + 2
+    policy.check_integrity()
+
+
 def test_shared_lead_counts_the_leading_system_blocks_of_any_sequence() -> None:
     import numpy as np
     S, H = int(BlockType.SYSTEM), int(BlockType.HISTORY)

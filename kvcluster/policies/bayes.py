@@ -199,6 +199,7 @@ class BayesPolicy(EvictionPolicy):
         self._gnext: list[int] = []  # per group: the next age bin it is to be counted in
         self._ends: dict[int, tuple[tuple, float]] = {}  # eviction candidates kept while their age bin holds
         self._tails: dict[int, int] = {}  # group of a shared prefix -> the group of the rest of its request
+        self._arrived: set[int] = set()  # groups admitted with no use known here: their first use is no reuse
         self._shared_class = SHARED_PREFIX
 
     @property
@@ -362,7 +363,7 @@ class BayesPolicy(EvictionPolicy):
         new = 0
         get = last.get
         gnext, reached, groups, gblocks = self._gnext, self.model.reached, self.model.groups, self._gblocks
-        queues, active = self._queues, self._active
+        queues, active, arrived = self._queues, self._active, self._arrived
         crossing = self._crossing[1]
         for gid, gclass, part in segments:
             members: list[int] = []
@@ -379,9 +380,10 @@ class BayesPolicy(EvictionPolicy):
                         continue
                     if old != run_old:
                         if run_n:
-                            gap = now - gtime[run_old]
-                            k = 0 if gap < base else min(int(gap / base).bit_length(), lastbin)
-                            reused[gcls[run_old]][k] += run_n
+                            if run_old not in arrived:
+                                gap = now - gtime[run_old]
+                                k = 0 if gap < base else min(int(gap / base).bit_length(), lastbin)
+                                reused[gcls[run_old]][k] += run_n
                             settle(run_old, run_n)
                             galive[run_old] -= run_n
                         run_old, run_n = old, 0
@@ -403,8 +405,9 @@ class BayesPolicy(EvictionPolicy):
                 if gid != start:
                     self._tails[start] = gid
         if run_n:
-            gap = now - gtime[run_old]
-            reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
+            if run_old not in arrived:
+                gap = now - gtime[run_old]
+                reused[gcls[run_old]][0 if gap < base else min(int(gap / base).bit_length(), lastbin)] += run_n
             settle(run_old, run_n)
             galive[run_old] -= run_n
         due = now + self._edges[1]
@@ -415,7 +418,9 @@ class BayesPolicy(EvictionPolicy):
         return self._evict(now) if self._size > self.capacity else []
 
     def admit(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
-        """Demoted blocks keep the class and last-use time they had above; no use is counted."""
+        """Demoted blocks keep the class and last-use time they had above; no use is counted. A block with no
+        use known here (read from another node, adopted from files, a ghost forgotten) arrives now, and its
+        first use is not a reuse: its gap would be the time since it arrived, not since it was last used."""
         last, gtime, gcls = self._last, self._gtime, self._gcls
         by_group: dict[int, list[int]] = {}
         for b in blocks:
@@ -430,7 +435,10 @@ class BayesPolicy(EvictionPolicy):
                 cls = gcls[old]
                 self._settle(old, len(members))
                 self._galive[old] -= len(members)
+                if old in self._arrived:  # left and came back unused: still no use known here
+                    self._arrived.add(gid)
             else:
+                self._arrived.add(gid)
                 gtime.append(ctx.now)
                 cls = class_of(ctx.transition)
                 self.model.note_reuse_row(cls)
@@ -614,6 +622,7 @@ class BayesPolicy(EvictionPolicy):
         self._gnext = [self._gnext[g] for g in keep]
         self._gblocks = {new[g]: members for g, members in gblocks.items() if new[g] >= 0}
         self._tails = {new[g]: new[t] for g, t in tails.items() if new[g] >= 0 and new[t] >= 0}
+        self._arrived = {new[g] for g in self._arrived if new[g] >= 0}
         self._queues = [deque(new[g] for g in q if new[g] >= 0) for q in self._queues]
         self._active = {c for c, q in enumerate(self._queues) if q}
         self._crossing = [deque(new[g] for g in q if new[g] >= 0) for q in self._crossing]
@@ -636,6 +645,7 @@ class BayesPolicy(EvictionPolicy):
             self._forget_ghosts()
 
     def check_integrity(self) -> None:
+        assert all(0 <= g < len(self._gtime) for g in self._arrived)
         resident = [b for b, g in self._last.items() if g >= 0]
         assert len(resident) == self._size <= self.capacity, (len(resident), self._size, self.capacity)
         queued = {g for q in self._queues for g in q}
