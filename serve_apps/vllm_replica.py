@@ -123,7 +123,8 @@ class VLLMReplica:
             prompt["cache_salt"] = request["cache_salt"]
         request_id = uuid.uuid4().hex
         started = time.perf_counter()
-        queue = self.loop.submit(request_id, prompt, vllm_sampling(params, request.get("session", ""), request.get("spans", ())))
+        sampling = vllm_sampling(params, request.get("session", ""), request.get("spans", ()))
+        queue = self.loop.submit(request_id, prompt, sampling)
         first, done, completion = True, False, 0
         try:
             while not done:
