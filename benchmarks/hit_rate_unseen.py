@@ -16,7 +16,14 @@ no default was chosen by:
 - `claude-code-even` / `claude-code-odd`: the Claude Code sessions split in two
   by file order. Both halves were part of the tuning set, merged; alone, each is
   a trace of another mix and size (how much a held-out set of 43 sessions may
-  differ).
+  differ);
+- `...-as-mooncake`: a trace above written as a Mooncake jsonl (hash ids of
+  512-token blocks, times in ms, token counts; no sessions, roles or finish
+  reasons) and read back by the Mooncake loader, which infers sessions and block
+  types from the hash ids alone. A held-out Mooncake conversation trace reaches
+  the policy this way only. `sharegpt-unseen-random-gaps-512` is the same
+  conversations, times and 512-token blocks with the labels the ShareGPT loader
+  gives, for a like-for-like comparison.
 
 Reference in the same run: LRU (the floor), Belady's MIN (the offline
 near-bound) and the best of lru, arc, s3fifo and sieve (the bar `bayes` must
@@ -51,6 +58,7 @@ from kvcluster.traces.text import SESSION_GAP_S, TURN_GAP_S
 FRACTIONS = (0.02, 0.05, 0.10)
 CLASSICAL = ("lru", "arc", "s3fifo", "sieve")
 POLICIES = (*CLASSICAL, "bayes", "belady")
+MOONCAKE_BLOCK = 512  # tokens per block of a Mooncake trace
 
 
 def _root(line: str) -> str:
@@ -100,6 +108,25 @@ def with_random_gaps(trace: PreparedTrace, seed: int = 1) -> PreparedTrace:
                                output_tokens=pick(trace.output_tokens))
 
 
+def as_mooncake(trace: PreparedTrace, out: Path) -> Path:
+    """Write `trace` as a Mooncake jsonl of 512-token blocks: what a Mooncake trace carries and nothing else.
+
+    Each 512-token block is named by the id of the last of the trace's own blocks
+    in it (ids are prefix-chained, so equal ids mean equal prefixes). A last block
+    that is not full is left out: a Mooncake file lists it, but it never hits, and
+    without it the blocks are those of the same trace cut into 512-token blocks."""
+    if MOONCAKE_BLOCK % trace.block_size:
+        raise TraceError(f"{trace.name}: {trace.block_size}-token blocks do not tile Mooncake's {MOONCAKE_BLOCK}")
+    per = MOONCAKE_BLOCK // trace.block_size
+    with open(out, "w") as f:
+        for i, blocks in enumerate(trace.blocks):
+            ids = [blocks[k + per - 1] for k in range(0, len(blocks) - per + 1, per)]
+            f.write(json.dumps({"timestamp": round(trace.arrivals[i] * 1000.0), "input_length": trace.input_tokens[i],
+                                "output_length": trace.output_tokens[i] if trace.output_tokens else 0,
+                                "hash_ids": ids}) + "\n")
+    return out
+
+
 def claude_code_half(source: Path, out: Path, parity: int) -> Path:
     """Link every other session file of `source` (by name; `parity` 0 or 1) into the directory `out`."""
     sessions = sorted(require_path(source).glob("*.json"))
@@ -122,13 +149,22 @@ def _run(quiet: bool) -> list[dict]:
         tmp_dir = Path(tmp)
         sharegpt = unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl", tmp_dir / "sharegpt.jsonl")
         unseen = prepare(load_trace(str(sharegpt)))
+        unseen_512 = with_random_gaps(prepare(load_trace(str(sharegpt), block_size=MOONCAKE_BLOCK)))
+        halves = [prepare(load_trace(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i))))
+                  for i, h in enumerate(("even", "odd"))]
+
+        def reread(trace: PreparedTrace, name: str) -> PreparedTrace:
+            return prepare(load_trace(str(as_mooncake(trace, tmp_dir / f"{name}.jsonl"))))
+
         traces = [
             ("sharegpt-unseen", lambda: unseen),
             ("sharegpt-unseen-random-gaps", lambda: with_random_gaps(unseen)),
-            ("claude-code-even", lambda: prepare(load_trace(str(
-                claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-even", 0))))),
-            ("claude-code-odd", lambda: prepare(load_trace(str(
-                claude_code_half(data / "weka_claude_code_traces", tmp_dir / "cc-odd", 1))))),
+            ("sharegpt-unseen-random-gaps-512", lambda: unseen_512),
+            ("sharegpt-unseen-random-gaps-as-mooncake", lambda: reread(with_random_gaps(unseen), "sharegpt")),
+            ("claude-code-even", lambda: halves[0]),
+            ("claude-code-odd", lambda: halves[1]),
+            ("claude-code-even-as-mooncake", lambda: reread(halves[0], "cc-even")),
+            ("claude-code-odd-as-mooncake", lambda: reread(halves[1], "cc-odd")),
         ]
         for label, load in traces:
             prepared = load()

@@ -13,9 +13,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from hit_rate_unseen import TUNED_SHAREGPT_ENTRIES, claude_code_half, unseen_sharegpt, with_random_gaps  # noqa: E402
+from hit_rate_unseen import (  # noqa: E402
+    TUNED_SHAREGPT_ENTRIES,
+    as_mooncake,
+    claude_code_half,
+    unseen_sharegpt,
+    with_random_gaps,
+)
 
-from kvcluster.simulator import PreparedTrace  # noqa: E402
+from kvcluster.simulator import PreparedTrace, prepare  # noqa: E402
+from kvcluster.traces import load_trace  # noqa: E402
 
 
 def test_unseen_sharegpt_starts_at_the_first_conversation_wholly_after_the_tuned_entries(tmp_path) -> None:
@@ -41,6 +48,24 @@ def test_random_gaps_keep_each_conversation_in_order_and_its_blocks_as_they_were
         mine = [b for s, b in zip(timed.sessions, timed.blocks) if s == session]
         assert mine == sorted(mine, key=len)  # each turn extends the one before, in the order they came
     assert with_random_gaps(trace, seed=3) == timed  # seeded: the same times every run
+
+
+def test_as_mooncake_keeps_the_full_512_token_blocks_and_what_a_mooncake_trace_carries(tmp_path) -> None:
+    # 64-token blocks, prefix-chained ids: request 1 continues request 0, request 2 shares its first 8 blocks only
+    first = tuple(range(20))
+    trace = PreparedTrace(name="t", block_size=64, blocks=(first, first + (20, 21, 22, 23), first[:8] + (30, 31)),
+                          types=((1,) * 20, (1,) * 24, (1,) * 10), transitions=(0, 1, 2), arrivals=(0.0, 1.5, 2.0),
+                          input_tokens=(1300, 1540, 650), sessions=("a", "a", "b"), unique_blocks=26,
+                          output_tokens=(7, 8, 9))
+    path = as_mooncake(trace, tmp_path / "t.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"timestamp": 0, "input_length": 1300, "output_length": 7, "hash_ids": [7, 15]},
+                    {"timestamp": 1500, "input_length": 1540, "output_length": 8, "hash_ids": [7, 15, 23]},
+                    {"timestamp": 2000, "input_length": 650, "output_length": 9, "hash_ids": [7]}]
+    reread = prepare(load_trace(str(path)))
+    assert [len(b) for b in reread.blocks] == [2, 3, 1] and reread.unique_blocks == 3
+    assert reread.blocks[1][:2] == reread.blocks[0] and reread.blocks[2] == reread.blocks[0][:1]
+    assert reread.sessions[0] == reread.sessions[1] != reread.sessions[2]  # inferred from the hash ids alone
 
 
 def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
