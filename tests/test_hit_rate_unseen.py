@@ -3,6 +3,7 @@ conversation's order; it and benchmarks/hit_rate.py answer missing data with one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from hit_rate_unseen import (  # noqa: E402
     with_random_gaps,
 )
 
+from kvcluster.errors import TraceError  # noqa: E402
 from kvcluster.simulator import PreparedTrace, prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
 
@@ -66,6 +68,8 @@ def test_as_mooncake_keeps_the_full_512_token_blocks_and_what_a_mooncake_trace_c
     assert [len(b) for b in reread.blocks] == [2, 3, 1] and reread.unique_blocks == 3
     assert reread.blocks[1][:2] == reread.blocks[0] and reread.blocks[2] == reread.blocks[0][:1]
     assert reread.sessions[0] == reread.sessions[1] != reread.sessions[2]  # inferred from the hash ids alone
+    with pytest.raises(TraceError, match="48-token blocks do not tile"):
+        as_mooncake(dataclasses.replace(trace, block_size=48), tmp_path / "untiled.jsonl")
 
 
 def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
