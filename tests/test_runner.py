@@ -298,3 +298,23 @@ def test_the_device_restore_lays_blocks_out_as_the_host_restore_does(name, lande
     for h, d in zip(host, device):
         assert len(h) == len(d) or (len(h) == 4 and h[3] == d[1].shape[-2])  # a full layer's count is its length
         assert torch.equal(h[1], d[1]) and torch.equal(h[2], d[2])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_payloads_fetched_side_by_side_restore_as_separate_payloads_do(name):
+    """Payloads a fetch read into the landing rows are laid out per layer in one copy; only payload j in row j
+    counts as landed, and the states equal those of the same bytes restored block by block."""
+    runner = cached_runner(load_model(name))
+    tokens = prompt(193, seed=23)
+    runner.complete(tokens, GREEDY)
+    codec = runner.codec
+    landed = runner.store.fetch(runner.block_keys(tokens[:192]), codec.landing(12))
+    apart = [np.array(p) for p in landed]
+    assert codec._landed_rows(landed) is not None
+    assert codec._landed_rows(apart) is None and codec._landed_rows(landed[::-1]) is None
+    assert codec._landed_rows(landed[:11] + apart[11:]) is None
+    one = list(codec._layer_states(landed, reuse=False, window_aware=True))
+    each = list(codec._layer_states(apart, reuse=False, window_aware=True))
+    assert [s[0] for s in one] == [s[0] for s in each] == list(codec.layout.layers)
+    for a, b in zip(one, each):
+        assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3:] == b[3:]

@@ -142,17 +142,26 @@ class KVCodec:
         if starts is not None and any(starts):
             yield from self._windowed_states(payloads, reuse, starts)
             return
+        rows = self._landed_rows(payloads)  # side by side in the landing buffer: one copy lays out them all
+        if rows is not None:
+            rows = rows.view(self.dtype).view(n, *self.block_shape)
         if lay.kind == "latent":
             whole = self._buffer((len(lay.layers), n, B, lay.head_dim), reuse)  # [L, n, B, W]
-            for j, p in enumerate(payloads):
-                whole[:, j] = self._typed(p)
+            if rows is not None:
+                whole.copy_(rows.transpose(0, 1))
+            else:
+                for j, p in enumerate(payloads):
+                    whole[:, j] = self._typed(p)
             whole = whole.to(self.device).view(len(lay.layers), 1, 1, n * B, lay.head_dim)
             for pos, i in enumerate(lay.layers):
                 yield i, whole[pos, ..., : self.latent_rank], whole[pos, ..., self.latent_rank :]
         else:
             whole = self._buffer((len(lay.layers), 2, lay.kv_heads, n, B, lay.head_dim), reuse)
-            for j, p in enumerate(payloads):
-                whole[:, :, :, j] = self._typed(p)
+            if rows is not None:
+                whole.copy_(rows.permute(1, 2, 3, 0, 4, 5))  # [n, L, 2, H, B, D] -> [L, 2, H, n, B, D]
+            else:
+                for j, p in enumerate(payloads):
+                    whole[:, :, :, j] = self._typed(p)
             whole = whole.to(self.device).view(len(lay.layers), 2, 1, lay.kv_heads, n * B, lay.head_dim)
             for pos, i in enumerate(lay.layers):
                 yield i, whole[pos, 0], whole[pos, 1]
@@ -211,12 +220,8 @@ class KVCodec:
             if all(p.data_ptr() == self._device_landing[j].data_ptr() for j, p in enumerate(payloads)):
                 return self._device_landing[:n]
             return torch.stack([p.reshape(-1).view(torch.uint8)[:size] for p in payloads])
-        landed = (isinstance(first, np.ndarray) and self._landing.shape[0] >= n and
-                  all(isinstance(p, np.ndarray) and p.ctypes.data == self._landing[j].ctypes.data
-                      for j, p in enumerate(payloads)))
-        if landed:
-            host = self._landing_rows[:n]
-        else:
+        host = self._landed_rows(payloads)
+        if host is None:
             if self._upload.numel() < n * size:
                 self._upload = torch.empty(n * size, dtype=torch.uint8, pin_memory=self._on_cuda)
             host = self._upload[: n * size].view(n, size)
@@ -228,6 +233,18 @@ class KVCodec:
         rows = host.to(self.device, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()  # the pinned rows may be refilled once this returns
         return rows
+
+    def _landed_rows(self, payloads: Sequence[np.ndarray]) -> torch.Tensor | None:
+        """The payloads as `[n, block_bytes]` rows of the host landing buffer when each payload j is its row j
+        (a fetch read them there), else None."""
+        n, landing = len(payloads), self._landing
+        if landing.shape[0] < n:
+            return None
+        start, step, size = landing.ctypes.data, landing.strides[0], self.block_bytes
+        for j, p in enumerate(payloads):
+            if not isinstance(p, np.ndarray) or p.nbytes != size or p.ctypes.data != start + j * step:
+                return None
+        return self._landing_rows[:n]
 
     def landing(self, blocks: int, on_device: bool = False) -> np.ndarray | torch.Tensor:
         """`blocks` reusable payload buffers for a fetch to read into (valid until the next fetch).
