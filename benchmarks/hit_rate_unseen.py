@@ -23,7 +23,10 @@ no default was chosen by:
   types from the hash ids alone. A held-out Mooncake conversation trace reaches
   the policy this way only. `sharegpt-unseen-random-gaps-512` is the same
   conversations, times and 512-token blocks with the labels the ShareGPT loader
-  gives, for a like-for-like comparison.
+  gives, for a like-for-like comparison. `...-system-prompt-as-mooncake` puts
+  one 1,024-token system prompt before every request, as a chat service does:
+  the hash ids then share a prefix across all conversations, and a first message
+  shorter than a block ends its full blocks on the prompt.
 
 Reference in the same run: LRU (the floor), Belady's MIN (the offline
 near-bound) and the best of lru, arc, s3fifo and sieve (the bar `bayes` must
@@ -59,6 +62,7 @@ FRACTIONS = (0.02, 0.05, 0.10)
 CLASSICAL = ("lru", "arc", "s3fifo", "sieve")
 POLICIES = (*CLASSICAL, "bayes", "belady")
 MOONCAKE_BLOCK = 512  # tokens per block of a Mooncake trace
+SYSTEM_PROMPT_BLOCKS = 2  # a 1,024-token system prompt before every request of the `-system-prompt` row
 
 
 def _root(line: str) -> str:
@@ -108,20 +112,26 @@ def with_random_gaps(trace: PreparedTrace, seed: int = 1) -> PreparedTrace:
                                output_tokens=pick(trace.output_tokens))
 
 
-def as_mooncake(trace: PreparedTrace, out: Path) -> Path:
+def as_mooncake(trace: PreparedTrace, out: Path, system_prompt_blocks: int = 0) -> Path:
     """Write `trace` as a Mooncake jsonl of 512-token blocks: what a Mooncake trace carries and nothing else.
 
     Each 512-token block is named by the id of the last of the trace's own blocks
     in it (ids are prefix-chained, so equal ids mean equal prefixes). A last block
     that is not full is left out: a Mooncake file lists it, but it never hits, and
-    without it the blocks are those of the same trace cut into 512-token blocks."""
+    without it the blocks are those of the same trace cut into 512-token blocks.
+    With `system_prompt_blocks`, every request starts with that many blocks of one
+    system prompt, as a chat service's traffic does (ids after the trace's own; each
+    input grows by the prompt's tokens)."""
     if MOONCAKE_BLOCK % trace.block_size:
         raise TraceError(f"{trace.name}: {trace.block_size}-token blocks do not tile Mooncake's {MOONCAKE_BLOCK}")
     per = MOONCAKE_BLOCK // trace.block_size
+    after = 1 + max((max(blocks) for blocks in trace.blocks if blocks), default=-1)
+    prompt = list(range(after, after + system_prompt_blocks))
     with open(out, "w") as f:
         for i, blocks in enumerate(trace.blocks):
-            ids = [blocks[k + per - 1] for k in range(0, len(blocks) - per + 1, per)]
-            f.write(json.dumps({"timestamp": round(trace.arrivals[i] * 1000.0), "input_length": trace.input_tokens[i],
+            ids = prompt + [blocks[k + per - 1] for k in range(0, len(blocks) - per + 1, per)]
+            f.write(json.dumps({"timestamp": round(trace.arrivals[i] * 1000.0),
+                                "input_length": trace.input_tokens[i] + MOONCAKE_BLOCK * system_prompt_blocks,
                                 "output_length": trace.output_tokens[i] if trace.output_tokens else 0,
                                 "hash_ids": ids}) + "\n")
     return out
@@ -153,14 +163,16 @@ def _run(quiet: bool) -> list[dict]:
         halves = [prepare(load_trace(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i))))
                   for i, h in enumerate(("even", "odd"))]
 
-        def reread(trace: PreparedTrace, name: str) -> PreparedTrace:
-            return prepare(load_trace(str(as_mooncake(trace, tmp_dir / f"{name}.jsonl"))))
+        def reread(trace: PreparedTrace, name: str, system_prompt_blocks: int = 0) -> PreparedTrace:
+            return prepare(load_trace(str(as_mooncake(trace, tmp_dir / f"{name}.jsonl", system_prompt_blocks))))
 
         traces = [
             ("sharegpt-unseen", lambda: unseen),
             ("sharegpt-unseen-random-gaps", lambda: with_random_gaps(unseen)),
             ("sharegpt-unseen-random-gaps-512", lambda: unseen_512),
             ("sharegpt-unseen-random-gaps-as-mooncake", lambda: reread(with_random_gaps(unseen), "sharegpt")),
+            ("sharegpt-unseen-random-gaps-system-prompt-as-mooncake",
+             lambda: reread(with_random_gaps(unseen), "sharegpt-system", SYSTEM_PROMPT_BLOCKS)),
             ("claude-code-even", lambda: halves[0]),
             ("claude-code-odd", lambda: halves[1]),
             ("claude-code-even-as-mooncake", lambda: reread(halves[0], "cc-even")),

@@ -22,6 +22,7 @@ from hit_rate_unseen import (  # noqa: E402
     with_random_gaps,
 )
 
+from kvcluster.block_types import BlockType  # noqa: E402
 from kvcluster.errors import TraceError  # noqa: E402
 from kvcluster.simulator import PreparedTrace, prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
@@ -70,6 +71,13 @@ def test_as_mooncake_keeps_the_full_512_token_blocks_and_what_a_mooncake_trace_c
     assert reread.sessions[0] == reread.sessions[1] != reread.sessions[2]  # inferred from the hash ids alone
     with pytest.raises(TraceError, match="48-token blocks do not tile"):
         as_mooncake(dataclasses.replace(trace, block_size=48), tmp_path / "untiled.jsonl")
+    prompted = as_mooncake(trace, tmp_path / "system.jsonl", system_prompt_blocks=2)
+    rows = [json.loads(line) for line in prompted.read_text().splitlines()]
+    assert [(r["input_length"], r["hash_ids"]) for r in rows] == [(2324, [32, 33, 7, 15]), (2564, [32, 33, 7, 15, 23]),
+                                                                  (1674, [32, 33, 7])]
+    reread = prepare(load_trace(str(prompted)))
+    assert reread.sessions[0] == reread.sessions[1] != reread.sessions[2]
+    assert reread.types[2][:2] == (int(BlockType.SYSTEM),) * 2  # the prompt, seen in another session
 
 
 def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:

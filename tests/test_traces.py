@@ -14,7 +14,7 @@ from kvcluster.errors import ConfigError, TraceError
 from kvcluster.keys import KeySpace
 from kvcluster.traces import TRACE_FORMATS, detect_format, load_trace
 from kvcluster.traces.base import Trace
-from kvcluster.traces.classify import PrefixClassifier, majority_block_types
+from kvcluster.traces.classify import SHARED_BRANCHES, PrefixClassifier, majority_block_types
 from kvcluster.traces.sharegpt import root_id
 
 from data_support import require_data, require_tokenizer
@@ -328,6 +328,22 @@ def test_inferred_sessions_first_append_fork() -> None:
     partial = c.label(chain(20, 21), input_tokens=20)  # one full block, then a partial one
     grown = c.label(chain(20, 22, 23), input_tokens=48)  # the partial block was rewritten
     assert (grown.session, grown.transition) == (partial.session, APPEND)
+
+
+def test_a_prefix_many_requests_branch_from_is_no_session_of_its_own() -> None:
+    """First messages that fit in the partial block after a system prompt end their full blocks on it: once
+    SHARED_BRANCHES blocks have followed it, such a request opens a session of its own, and a conversation with
+    blocks of its own is still continued."""
+    c = PrefixClassifier(16)
+    opened = [c.label(chain(1, 2, 100 + k), input_tokens=40, output_tokens=8) for k in range(SHARED_BRANCHES + 3)]
+    assert {lab.session for lab in opened[:SHARED_BRANCHES]} == {opened[0].session}  # no telling them apart yet
+    assert [lab.transition for lab in opened[SHARED_BRANCHES:]] == [FORK] * 3
+    assert len({lab.session for lab in opened[SHARED_BRANCHES - 1:]}) == 4
+    assert opened[-1].block_types == (S, S, H)  # the prompt is now another session's too
+    own = c.label(chain(1, 2, 200, 201), input_tokens=64, output_tokens=16)
+    assert own.transition is FORK and own.session not in {lab.session for lab in opened}
+    grown = c.label(chain(1, 2, 200, 201, 202, 203), input_tokens=96)
+    assert (grown.session, grown.transition) == (own.session, APPEND)
 
 
 def test_explicit_sessions_agent_steps_and_system_blocks() -> None:

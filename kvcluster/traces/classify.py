@@ -23,8 +23,17 @@ Traces without session ids (Mooncake) infer them: if the leading run of seen
 keys ends exactly at the last full (or last) key of an earlier request R, the
 request continues R's session with R as P (APPEND, or AGENT_STEP for agent
 traces); otherwise it opens a new session, as a FORK if the run is non-empty and
-FIRST if it is empty. A dict from those end keys to their requests, and one of
-seen keys, keep this O(total refs).
+FIRST if it is empty. But for a key that SHARED_BRANCHES or more distinct
+blocks have followed: that is a prompt many requests start from (a system
+prompt, a popular document), and a run ending there says nothing of whose turn
+follows. Without this, every new conversation on a system prompt whose first
+message fits in the partial block after it ends its full blocks there, and all
+later ones on that prompt continued the last of them: one session for the whole
+trace. Continuations of one conversation, and the requests that share one long
+prefix of their own, branch far less (on the shared Mooncake trace no run ended
+at a key with more than 12 branches). Dicts from those end keys to their requests, from
+seen keys to their first sighting and from keys to their branch counts keep
+this O(total refs).
 
 Block types. Explicit roles (ShareGPT, LMSYS, SWE-agent) come from the loader:
 system -> SYSTEM, user/human -> HISTORY, tool results/observations -> TOOL,
@@ -70,6 +79,7 @@ ROLE_TYPES: dict[str, BlockType] = {
 }
 TOOL_USE = "tool_use"
 _CONTINUATIONS = (TransitionType.APPEND, TransitionType.AGENT_STEP)
+SHARED_BRANCHES = 16  # a key this many distinct blocks have followed is a shared prefix (see `_infer`)
 
 
 def role_type(role: str) -> BlockType:
@@ -143,6 +153,7 @@ class PrefixClassifier:
         self._first: dict[BlockKey, tuple[str, BlockType]] = {}  # key -> (first session, first type)
         self._shared: set[BlockKey] = set()  # keys used by >= 2 sessions
         self._ends: dict[BlockKey, _Request] = {}  # inferred sessions: last full / last key -> request
+        self._branches: dict[BlockKey, int] = {}  # key -> distinct keys seen right after it (its children)
         self._latest: dict[str, _Request] = {}  # session -> its latest request
         self._sessions = 0
 
@@ -181,6 +192,8 @@ class PrefixClassifier:
 
     def _infer(self, keys, seen: int) -> tuple[str, _Request | None, TransitionType]:
         owner = self._ends.get(keys[seen - 1]) if seen else None
+        if owner is not None and self._branches.get(keys[seen - 1], 0) >= SHARED_BRANCHES:
+            owner = None  # a prefix many requests branch from: a shared prompt, not one session's history
         if owner is not None:
             step = self._agent or owner.stop == TOOL_USE
             return owner.session, owner, TransitionType.AGENT_STEP if step else TransitionType.APPEND
@@ -230,10 +243,14 @@ class PrefixClassifier:
     def _remember(self, keys, reuse: int, session: str, types: tuple[BlockType, ...]) -> None:
         """Record first sightings and cross-session sharing; the prefix shared with the
         session's previous request was recorded then."""
-        first, shared = self._first, self._shared
-        for k, t in zip(keys[reuse:], types[reuse:]):
+        first, shared, branches = self._first, self._shared, self._branches
+        for j in range(reuse, len(keys)):
+            k = keys[j]
             entry = first.get(k)
             if entry is None:
-                first[k] = (session, t)
+                first[k] = (session, types[j])
+                if j:
+                    before = keys[j - 1]
+                    branches[before] = branches.get(before, 0) + 1
             elif entry[0] != session and k not in shared:
                 shared.add(k)
