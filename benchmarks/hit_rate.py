@@ -3,13 +3,18 @@
 Reference in the same run: LRU (the floor to beat) and Belady's MIN (the offline
 near-bound). Prints a markdown table with the share of the LRU->Belady gap that
 each predictive policy (`bayes`, `bayes-v1`) closes, or with `--json` only the whole report, as JSON, on stdout.
+`--without-answers` replays the traces as if how each answer ended (tool call, end of turn) and how long it was
+were unknown when its blocks are stored, as on the vLLM connector's path, where the engine stores a request's
+blocks before it finishes.
 
     .venv/bin/python benchmarks/hit_rate.py [--json] [--sharegpt-records N] [--policies lru,bayes,...]
+        [--without-answers]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -39,6 +44,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print only the full report, as JSON, on stdout")
     parser.add_argument("--sharegpt-records", type=int, default=SHAREGPT_RECORDS, help="ShareGPT entries to tokenize")
     parser.add_argument("--policies", default=",".join(policy_names()))
+    parser.add_argument("--without-answers", action="store_true",
+                        help="drop every request's finish reason and answer length (the vLLM connector's case)")
     args = parser.parse_args()
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in policy_names()]
@@ -56,6 +63,8 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             prepared = prepare(load_trace(path, **kwargs))
+            if args.without_answers:
+                prepared = dataclasses.replace(prepared, finishes=(), output_tokens=())
         except TraceError as err:  # missing or malformed shared data: one line, not a traceback
             print(f"hit_rate: {err}", file=sys.stderr)
             return 2
