@@ -31,9 +31,9 @@ message fits in the partial block after it ends its full blocks there, and all
 later ones on that prompt continued the last of them: one session for the whole
 trace. Continuations of one conversation, and the requests that share one long
 prefix of their own, branch far less (on the shared Mooncake trace no run ended
-at a key with more than 12 branches). Dicts from those end keys to their requests, from
-seen keys to their first sighting and from keys to their branch counts keep
-this O(total refs).
+at a key with more than 12 branches). Dicts from those end keys to their
+requests, from seen keys to their first sighting and from keys to their branch
+counts keep this O(total refs).
 
 Block types. Explicit roles (ShareGPT, LMSYS, SWE-agent) come from the loader:
 system -> SYSTEM, user/human -> HISTORY, tool results/observations -> TOOL,
