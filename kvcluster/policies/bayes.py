@@ -76,6 +76,7 @@ block.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 import math
 from collections import Counter, deque
 from typing import Sequence
@@ -181,10 +182,11 @@ class BayesPolicy(EvictionPolicy):
         self._gtime: list[float] = []  # per group: time of use
         self._gcls: list[int] = []  # per group: class
         self._galive: list[int] = []  # per group: blocks whose last use it still is (for the hazard)
+        self._gtaken: list[int] = []  # per group: blocks it let go of (evicted, or discarded to another tier)
         self._gblocks: dict[int, list[int]] = {}  # queued group -> blocks not yet popped, prefix first
         self._queues: list[deque[int]] = [deque() for _ in range(CLASSES)]
         self._active: set[int] = set()  # classes with a non-empty queue
-        self._crossing: list[deque[int]] = [deque() for _ in range(self.model.config.bins)]
+        self._crossed = [0] * self.model.config.bins  # per age bin k: the groups before it are done with bin k
         self._size = 0
         self._requests = 0
         self._evict_age = 0.0  # EMA of the ages of victims from a class's oldest end: how long a block lasts here
@@ -252,24 +254,27 @@ class BayesPolicy(EvictionPolicy):
         now = self._clock
         if now < self._due:
             return
-        edges, crossing, gtime, galive, gcls = self._edges, self._crossing, self._gtime, self._galive, self._gcls
+        edges, crossed, gtime, galive, gcls = self._edges, self._crossed, self._gtime, self._galive, self._gcls
         gnext = self._gnext
         reached = self.model.reached
-        last = self._lastbin
         due = float("inf")
-        for k in range(1, last + 1):
-            q = crossing[k]
+        limit = len(gtime)
+        for k in range(1, self._lastbin + 1):  # bin k only looks at the groups bin k - 1 is done with
+            g = crossed[k]
             edge = edges[k]
-            while q and gtime[q[0]] + edge <= now:
-                g = q.popleft()
-                alive = galive[g]
-                if alive > 0:
-                    reached[gcls[g]][k] += alive
-                    gnext[g] = k + 1
-                    if k < last:
-                        crossing[k + 1].append(g)
-            if q and gtime[q[0]] + edge < due:
-                due = gtime[q[0]] + edge
+            while g < limit:
+                t = gtime[g] + edge
+                if t > now:
+                    if t < due:
+                        due = t
+                    break
+                if gnext[g] == k:  # counted at every bin before k, and alive then
+                    alive = galive[g]
+                    if alive > 0:
+                        reached[gcls[g]][k] += alive
+                        gnext[g] = k + 1
+                g += 1
+            crossed[k] = limit = g
         self._due = due
 
     def _settle(self, g: int, n: int) -> None:
@@ -363,8 +368,8 @@ class BayesPolicy(EvictionPolicy):
         new = 0
         get = last.get
         gnext, reached, groups, gblocks = self._gnext, self.model.reached, self.model.groups, self._gblocks
+        gtaken = self._gtaken
         queues, active, arrived = self._queues, self._active, self._arrived
-        crossing = self._crossing[1]
         for gid, gclass, part in segments:
             members: list[int] = []
             add = members.append
@@ -394,11 +399,11 @@ class BayesPolicy(EvictionPolicy):
             gtime.append(now)
             gcls.append(gclass)
             galive.append(m)
+            gtaken.append(0)
             gnext.append(1)
             if m:
                 reached[gclass][0] += m
                 groups[gclass] += 1
-                crossing.append(gid)
                 gblocks[gid] = members
                 queues[gclass].append(gid)
                 active.add(gclass)
@@ -444,6 +449,7 @@ class BayesPolicy(EvictionPolicy):
                 self.model.note_reuse_row(cls)
             gcls.append(cls)
             self._galive.append(len(members))
+            self._gtaken.append(0)
             self._gnext.append(self._lastbin + 1)  # not queued for crossings: its blocks count nowhere
             for b in members:
                 last[b] = gid
@@ -484,7 +490,8 @@ class BayesPolicy(EvictionPolicy):
                 key += 1
         heapq.heapify(heads)
         evicted: list[int] = []
-        get, add = last.get, evicted.append
+        get, add, extend = last.get, evicted.append, evicted.extend
+        galive, taken = self._galive, self._gtaken
         tails, shared_class = self._tails, self._shared_class
         ages, aged = 0.0, 0  # summed ages and count of the victims from a class's oldest end
         while need > 0 and heads:
@@ -507,13 +514,25 @@ class BayesPolicy(EvictionPolicy):
                 else:  # its blocks all moved on: the group goes, its tail is no longer tied to it
                     del tails[gid]
             before = need
-            pop, gone = members.pop, ~gid
-            while members and need > 0:
-                b = pop()
-                if get(b) == gid:
+            gone = ~gid
+            if galive[gid] == len(members) + taken[gid]:  # every block left is resident and last used here
+                k = need if need < len(members) else len(members)
+                chunk = members[-k:]
+                del members[-k:]
+                for b in chunk:
                     last[b] = gone
-                    add(b)
-                    need -= 1
+                chunk.reverse()
+                extend(chunk)
+                need -= k
+            else:
+                pop = members.pop
+                while members and need > 0:
+                    b = pop()
+                    if get(b) == gid:
+                        last[b] = gone
+                        add(b)
+                        need -= 1
+            taken[gid] += before - need
             if not side:
                 ages += (now - t) * (before - need)
                 aged += before - need
@@ -557,6 +576,7 @@ class BayesPolicy(EvictionPolicy):
                 last[b] = gone
                 evicted.append(b)
                 need -= 1
+        self._gtaken[tail] += before - need
         if members:
             self._tails[shared] = tail
         return need, (now - self._gtime[tail]) * (before - need)
@@ -619,13 +639,14 @@ class BayesPolicy(EvictionPolicy):
         self._gtime = [self._gtime[g] for g in keep]
         self._gcls = [self._gcls[g] for g in keep]
         self._galive = [galive[g] for g in keep]
+        self._gtaken = [self._gtaken[g] for g in keep]
         self._gnext = [self._gnext[g] for g in keep]
         self._gblocks = {new[g]: members for g, members in gblocks.items() if new[g] >= 0}
         self._tails = {new[g]: new[t] for g, t in tails.items() if new[g] >= 0 and new[t] >= 0}
         self._arrived = {new[g] for g in self._arrived if new[g] >= 0}
         self._queues = [deque(new[g] for g in q if new[g] >= 0) for q in self._queues]
         self._active = {c for c, q in enumerate(self._queues) if q}
-        self._crossing = [deque(new[g] for g in q if new[g] >= 0) for q in self._crossing]
+        self._crossed = [bisect_left(keep, g) for g in self._crossed]
         self._ends.clear()
         self._groups_kept = max(len(keep), self._min_groups)
 
@@ -635,11 +656,12 @@ class BayesPolicy(EvictionPolicy):
         return len(self._gtime)
 
     def discard(self, blocks: Sequence[int]) -> None:
-        last = self._last
+        last, taken = self._last, self._gtaken
         for b in blocks:
             g = last.get(b)
             if g is not None and g >= 0:
                 last[b] = ~g
+                taken[g] += 1
                 self._size -= 1
         if len(last) - self._size > 2 * self._ghosts_kept:
             self._forget_ghosts()
@@ -657,4 +679,10 @@ class BayesPolicy(EvictionPolicy):
         assert all(g in queued for g in self._tails), "a shared prefix that left is still tied to a tail"
         galive = self._galive
         assert all(galive[g if g >= 0 else ~g] > 0 for g in self._last.values()), "a block's group counts it not"
+        for g, members in self._gblocks.items():  # eviction's fast path: equality means every member is live
+            assert galive[g] <= len(members) + self._gtaken[g], f"group {g} counts more than it can hold"
+            if galive[g] == len(members) + self._gtaken[g]:
+                assert all(self._last.get(b) == g for b in members), f"group {g} holds a block it let go of"
+        crossed = self._crossed[1:]
+        assert all(a >= b for a, b in zip(crossed, crossed[1:])) and crossed[0] <= len(self._gtime)
         assert len(self._last) - self._size <= 2 * self._ghosts_kept, "ghosts beyond their bound"
