@@ -26,7 +26,11 @@ no default was chosen by:
   gives, for a like-for-like comparison. `...-system-prompt-as-mooncake` puts
   one 1,024-token system prompt before every request, as a chat service does:
   the hash ids then share a prefix across all conversations, and a first message
-  shorter than a block ends its full blocks on the prompt.
+  shorter than a block ends its full blocks on the prompt;
+- `mooncake-system-prompt`: the shared Mooncake trace (tuned on) with the same
+  prompt before every request, its own blocks as they were: its conversations then
+  all start on a prefix every session shares, as a service's do. What is new to the
+  policy here is the prompt.
 
 Reference in the same run: LRU (the floor), Belady's MIN (the offline
 near-bound) and the best of lru, arc, s3fifo and sieve (the bar `bayes` must
@@ -160,6 +164,7 @@ def _run(quiet: bool) -> list[dict]:
         sharegpt = unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl", tmp_dir / "sharegpt.jsonl")
         unseen = prepare(load_trace(str(sharegpt)))
         unseen_512 = with_random_gaps(prepare(load_trace(str(sharegpt), block_size=MOONCAKE_BLOCK)))
+        mooncake = prepare(load_trace(str(data / "mooncake" / "synthetic_trace.jsonl")))
         halves = [prepare(load_trace(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i))))
                   for i, h in enumerate(("even", "odd"))]
 
@@ -173,6 +178,7 @@ def _run(quiet: bool) -> list[dict]:
             ("sharegpt-unseen-random-gaps-as-mooncake", lambda: reread(with_random_gaps(unseen), "sharegpt")),
             ("sharegpt-unseen-random-gaps-system-prompt-as-mooncake",
              lambda: reread(with_random_gaps(unseen), "sharegpt-system", SYSTEM_PROMPT_BLOCKS)),
+            ("mooncake-system-prompt", lambda: reread(mooncake, "mooncake-system", SYSTEM_PROMPT_BLOCKS)),
             ("claude-code-even", lambda: halves[0]),
             ("claude-code-odd", lambda: halves[1]),
             ("claude-code-even-as-mooncake", lambda: reread(halves[0], "cc-even")),

@@ -324,8 +324,13 @@ def test_a_first_answer_s_length_tells_a_conversation_that_goes_on_from_one_that
                                                   output_tokens=out), 32.0)[0] for out in (10, 500))
     assert short > 0.9 and long < 0.1
     # a later turn's answer length does not split its class
-    assert (policy._session_class(ctx(i, 1, now, session="s", output_tokens=10), False)
-            == policy._session_class(ctx(i, 1, now, session="s", output_tokens=500), False))
+    policy._session_class(ctx(i, 1, now, session="s"), True)
+    assert (policy._session_class(ctx(i, 1, now + 5.0, session="s", output_tokens=10), False)
+            == policy._session_class(ctx(i, 1, now + 5.0, session="s", output_tokens=500), False))
+    # a session's first request is its first whatever its transition: a FORK on a shared system prompt too
+    forks = [policy._session_class(ctx(i, 1, now, session="t", transition=TransitionType.FORK, output_tokens=out),
+                                   False) for out in (10, 500)]
+    assert [describe_class(c)["first_answer"] for c in forks] == ["< 32 tokens", ">= 256 tokens"]
 
 
 def test_a_sessions_class_follows_the_geometric_mean_of_its_gaps() -> None:

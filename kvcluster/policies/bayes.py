@@ -11,7 +11,12 @@ tokens, 18 s after one of 256-1,023 and 52 s after a longer one; the end of a tu
 which waits for a person; unknown). A session's first request
 has no gaps to go by, so its class also holds the length of its answer: whether a
 new conversation goes on at all depends on it (on the Mooncake trace two thirds of first
-turns with answers under 32 tokens had a follow-up, 3-6% of those over 128).
+turns with answers under 32 tokens had a follow-up, 3-6% of those over 128). That is
+the first request the policy sees of its session, whatever its transition: on a
+service whose conversations all start on one system prompt, each is a FORK of that
+prompt, not a FIRST (the Mooncake trace with a 1,024-token prompt before every
+request closed 2/1/1% of the gap with FIRSTs only, below ARC at 5 and 10%, and
+2/4/11% so).
 Later requests leave it out but for the long tool call: their session's gaps say more,
 and splitting them all by length thinned the counts (ShareGPT and SWE-agent lost hit
 rate). `GapModel` learns per class the hazard of reuse by age in doubling bins (Beta
@@ -87,7 +92,6 @@ from .base import EvictionPolicy, RequestContext
 from .registry import register
 
 _NT = len(TransitionType)
-_FIRST = int(TransitionType.FIRST)
 SESSION_BUCKETS = 4  # the session's typical gap between requests: none yet, < 8 s, < 64 s, longer
 MAX_SESSIONS = 1 << 18  # sessions whose pace is remembered; beyond it the half idle longest is forgotten
 GHOST_FACTOR = 16.0  # blocks that left are remembered up to this many times the capacity (their reuse still teaches)
@@ -319,7 +323,7 @@ class BayesPolicy(EvictionPolicy):
             sessions[ctx.session] = (ctx.now, sb, log_sum, gaps)
             if len(sessions) > self._max_sessions:
                 self._forget_sessions()
-        answer = answer_bucket(ctx.output_tokens) if ctx.transition == _FIRST else 0
+        answer = answer_bucket(ctx.output_tokens) if seen is None else 0  # the session's first request
         return class_of(ctx.transition, sb, finish_index(ctx.finish, ctx.output_tokens), answer)
 
     def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
