@@ -36,8 +36,8 @@ loop can still close: on the ShareGPT conversations after the tuned ones, at 2%,
 the horizon fell to 1-2 s for the last two thirds of the trace and `bayes` closed
 32% of the gap. The fill time hardly depends on what the policy keeps; as a floor
 it holds that run at 94%. The factor is 6 by default (mean gap closed over the
-twelve shared-trace points with the other defaults: 62.6% at 4x, 62.9% at 6x,
-62.7% at 8x).
+twelve shared-trace points with the other defaults: 62.4% at 4x, 62.7% at 6x,
+62.2% at 8x).
 
 All blocks of one request form a group, but for a leading run that other
 sessions share (block type SYSTEM: a system prompt, or on hash-only traces a
