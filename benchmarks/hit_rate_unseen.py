@@ -122,10 +122,13 @@ def as_mooncake(trace: PreparedTrace, out: Path, system_prompt_blocks: int = 0) 
     Each 512-token block is named by the id of the last of the trace's own blocks
     in it (ids are prefix-chained, so equal ids mean equal prefixes). A last block
     that is not full is left out: a Mooncake file lists it, but it never hits, and
-    without it the blocks are those of the same trace cut into 512-token blocks.
+    without it the blocks are those of the same trace cut into 512-token blocks. A
+    trace already in 512-token blocks (a Mooncake trace) keeps every block it has.
     With `system_prompt_blocks`, every request starts with that many blocks of one
     system prompt, as a chat service's traffic does (ids after the trace's own; each
     input grows by the prompt's tokens)."""
+    if system_prompt_blocks < 0:
+        raise TraceError(f"system_prompt_blocks must be >= 0, not {system_prompt_blocks}")
     if MOONCAKE_BLOCK % trace.block_size:
         raise TraceError(f"{trace.name}: {trace.block_size}-token blocks do not tile Mooncake's {MOONCAKE_BLOCK}")
     per = MOONCAKE_BLOCK // trace.block_size

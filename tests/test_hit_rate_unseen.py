@@ -71,6 +71,8 @@ def test_as_mooncake_keeps_the_full_512_token_blocks_and_what_a_mooncake_trace_c
     assert reread.sessions[0] == reread.sessions[1] != reread.sessions[2]  # inferred from the hash ids alone
     with pytest.raises(TraceError, match="48-token blocks do not tile"):
         as_mooncake(dataclasses.replace(trace, block_size=48), tmp_path / "untiled.jsonl")
+    with pytest.raises(TraceError, match="system_prompt_blocks must be >= 0"):
+        as_mooncake(trace, tmp_path / "negative.jsonl", system_prompt_blocks=-1)
     prompted = as_mooncake(trace, tmp_path / "system.jsonl", system_prompt_blocks=2)
     rows = [json.loads(line) for line in prompted.read_text().splitlines()]
     assert [(r["input_length"], r["hash_ids"]) for r in rows] == [(2324, [32, 33, 7, 15]), (2564, [32, 33, 7, 15, 23]),

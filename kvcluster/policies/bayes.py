@@ -12,7 +12,8 @@ which waits for a person; unknown). A session's first request
 has no gaps to go by, so its class also holds the length of its answer: whether a
 new conversation goes on at all depends on it (on the Mooncake trace two thirds of first
 turns with answers under 32 tokens had a follow-up, 3-6% of those over 128). That is
-the first request the policy sees of its session, whatever its transition: on a
+the first request the policy sees of its session (each request that names none),
+whatever its transition: on a
 service whose conversations all start on one system prompt, each is a FORK of that
 prompt, not a FIRST (the Mooncake trace with a 1,024-token prompt before every
 request closed 2/1/1% of the gap with FIRSTs only, below ARC at 5 and 10%, and
@@ -81,8 +82,8 @@ block.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 import math
+from bisect import bisect_left
 from collections import Counter, deque
 from typing import Sequence
 
@@ -454,7 +455,7 @@ class BayesPolicy(EvictionPolicy):
             gcls.append(cls)
             self._galive.append(len(members))
             self._gtaken.append(0)
-            self._gnext.append(self._lastbin + 1)  # not queued for crossings: its blocks count nowhere
+            self._gnext.append(self._lastbin + 1)  # never counted at a crossing: its blocks count nowhere
             for b in members:
                 last[b] = gid
             self._gblocks[gid] = members
