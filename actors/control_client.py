@@ -50,6 +50,11 @@ class ControlClient:
         return [self.handles[s].commit.remote(node, owned, [payloads[p] for p in positions], ctx)
                 for s, (positions, owned) in self._parts(keys).items()]
 
+    def answered(self, node: str, session: str, finish: str, output_tokens: int) -> list:
+        """How the answer to `session`'s latest request on `node` ended: every shard holds part of its blocks
+        (fire-and-forget refs, ordered after this caller's `commit`s)."""
+        return [h.answered.remote(node, session, finish, output_tokens) for h in self.handles]
+
     def prefetch(self, node: str, keys: Sequence[bytes], ctx: RequestContext | None = None) -> list:
         return [self.handles[s].prefetch.remote(node, owned, ctx) for s, (_, owned) in self._parts(keys).items()]
 

@@ -181,6 +181,13 @@ class ControlPlaneActor:
             self._sync_gap()
         return len(failed)
 
+    def answered(self, node: str, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request on `node` ended, told after its `commit`: `node`'s
+        policies re-class its blocks (no block moves)."""
+        manager = self.caches.managers.get(node)
+        if manager is not None:
+            manager.answered(session, finish, output_tokens)
+
     def _account(self, node: str, plan, failed: set[bytes], migrating: set[bytes]) -> None:
         """Bytes moved and evictions of one plan, per (source, destination) tier, in a few counter calls."""
         labels = self.labels[node]

@@ -53,13 +53,15 @@ def block_payload(key: bytes, nbytes: int) -> np.ndarray:
 def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
                 capacities: list[int] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
                 progress: Callable[[int], None] | None = None, prefetch_lead_s: float = 0.0,
-                control_shards: int = 1) -> dict:
+                control_shards: int = 1, answers_at_finish: bool = False) -> dict:
     """Replay `trace` through the live control plane; returns the live result and the simulated one.
 
     `prefetch_lead_s > 0`: after each request, the requests arriving within that many seconds of it count
     as queued, and the control plane lifts their held prefixes into the first tier (as the simulator's
     `--prefetch-lead-s` does). `control_shards > 1` splits the control plane by key hash, each shard with
-    its share of every tier; the simulated figures then come from the same split (`replay(control_shards=)`)."""
+    its share of every tier; the simulated figures then come from the same split (`replay(control_shards=)`).
+    `answers_at_finish`: each request is served without how its answer ended, told to the control plane right
+    after (`ControlClient.answered`), as vLLM's connector tells it; simulated the same way."""
     cfg = cluster if isinstance(cluster, ClusterConfig) else load_cluster_config(cluster)
     node = cfg.nodes[0]
     chain = node_chains(cfg)[node.name]
@@ -96,7 +98,8 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
             policy, None, block_bytes, 0, i, control_shards) for i in range(control_shards)]
         started.extend(shards)
         control = ControlClient(shards)
-        live = _drive(trace, control, node.name, len(chain), block_bytes, progress, prefetch_lead_s)
+        live = _drive(trace, control, node.name, len(chain), block_bytes, progress, prefetch_lead_s,
+                      answers_at_finish)
         stats = _summed(control.stats(), node.name)
     finally:
         for actor in started:
@@ -116,7 +119,8 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
         seconds=seconds)
     if prefetch_lead_s > 0 and len(plan) > 1:
         result.prefetch = stats["prefetch"]
-    simulated = replay(trace, policy, plan, prefetch_lead_s=prefetch_lead_s, control_shards=control_shards)
+    simulated = replay(trace, policy, plan, prefetch_lead_s=prefetch_lead_s, control_shards=control_shards,
+                       answers_at_finish=answers_at_finish)
     return {"driver": "live", "cluster": cfg.model_dump(include={"model"}) | {"tiers": labels},
             "block_bytes": block_bytes, "wrong_bytes": wrong, "live": result.to_dict(),
             "simulated": simulated.to_dict(),
@@ -125,7 +129,8 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
 
 
 def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: int,
-           progress: Callable[[int], None] | None, prefetch_lead_s: float = 0.0) -> tuple[list[int], int, float]:
+           progress: Callable[[int], None] | None, prefetch_lead_s: float = 0.0, answers_at_finish: bool = False
+           ) -> tuple[list[int], int, float]:
     """One call per request (and one per queued request to prefetch); count the hits whose bytes are right,
     per tier."""
     hits = [0] * n_tiers
@@ -134,8 +139,11 @@ def _drive(trace: PreparedTrace, control, node: str, n_tiers: int, block_bytes: 
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
         keys = [block_key(b) for b in blocks]
-        ctx = request_context(trace, i)
+        ctx = request_context(trace, i, answer=not answers_at_finish)
         tiers, payloads = control.serve(node, keys, [block_payload(k, block_bytes) for k in keys], ctx)
+        if answers_at_finish and ctx.session:  # ordered after the serve: one caller, one actor per shard
+            control.answered(node, ctx.session, trace.finishes[i] if trace.finishes else "",
+                             trace.output_tokens[i] if trace.output_tokens else 0)
         if prefetch_lead_s > 0 and n_tiers > 1:  # the simulator's order: after the request, its queue
             ahead = max(ahead, i + 1)
             while ahead < len(trace.blocks) and trace.arrivals[ahead] <= ctx.now + prefetch_lead_s:

@@ -3,12 +3,12 @@
 Reference in the same run: LRU (the floor to beat) and Belady's MIN (the offline
 near-bound). Prints a markdown table with the share of the LRU->Belady gap that
 each predictive policy (`bayes`, `bayes-v1`) closes, or with `--json` only the whole report, as JSON, on stdout.
-`--without-answers` replays the traces as if how each answer ended (tool call, end of turn) and how long it was
-were unknown when its blocks are stored, as on the vLLM connector's path, where the engine stores a request's
-blocks before it finishes.
+`--answers-at-finish` replays the traces in the vLLM connector's order: the engine stores a request's blocks
+before it finishes, and the connector tells the policy how the answer ended (its length, and for kvcluster's
+front whether it ended the turn) once it has. `--without-answers` drops the answers altogether.
 
     .venv/bin/python benchmarks/hit_rate.py [--json] [--sharegpt-records N] [--policies lru,bayes,...]
-        [--without-answers]
+        [--answers-at-finish | --without-answers]
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def main() -> int:
     parser.add_argument("--sharegpt-records", type=int, default=SHAREGPT_RECORDS, help="ShareGPT entries to tokenize")
     parser.add_argument("--policies", default=",".join(policy_names()))
     parser.add_argument("--without-answers", action="store_true",
-                        help="drop every request's finish reason and answer length (the vLLM connector's case)")
+                        help="drop every request's finish reason and answer length")
+    parser.add_argument("--answers-at-finish", action="store_true",
+                        help="tell each request's answer after its blocks are stored (the vLLM connector's order)")
     args = parser.parse_args()
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in policy_names()]
@@ -74,7 +76,8 @@ def main() -> int:
               f"infinite {infinite:.4f}, loaded in {load_s:.1f} s -->", file=sys.stderr)
         for frac in FRACTIONS:
             cap = max(1, round(frac * prepared.unique_blocks))
-            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)]).hit_rate for p in policies}
+            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)], answers_at_finish=args.answers_at_finish).hit_rate
+                     for p in policies}
             gap = rates.get("belady", 0) - rates.get("lru", 0)
             closed = {p: (rates[p] - rates.get("lru", 0)) / gap if gap > 0.005 else None for p in learnt}
             report.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "infinite": infinite,

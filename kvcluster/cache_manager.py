@@ -293,6 +293,11 @@ class CacheManager:
             else:
                 self._events.append(Event("moved", m.key, m.dst, m.src))
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request ended, once known after its blocks were stored (vLLM
+        stores a request's blocks before it finishes): the policies re-class them. Moves no block."""
+        self.hierarchy.answered(session, finish, output_tokens)
+
     def drain_events(self) -> list[Event]:
         out, self._events = self._events, []
         return out

@@ -176,6 +176,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         calibration_horizon_s=args.calibration or 0.0,
         lookahead_s=args.lookahead_s,
         control_shards=args.control_shards,
+        answers_at_finish=args.answers_at_finish,
     )
     options.validate()
     trace = _load_trace(args)
@@ -253,7 +254,8 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     for policy in policies:
         runs.append(replay_live(prepared, policy, args.cluster, capacities, args.live_block_bytes,
                                 _progress_factory(_show_progress(args), prepared.requests)(f"{policy} live"),
-                                prefetch_lead_s=args.prefetch_lead_s, control_shards=args.control_shards))
+                                prefetch_lead_s=args.prefetch_lead_s, control_shards=args.control_shards,
+                                answers_at_finish=args.answers_at_finish))
     report = {"trace": prepared.name, "requests": prepared.requests, "block_refs": prepared.block_refs,
               "unique_blocks": prepared.unique_blocks, "block_size": prepared.block_size, "driver": "live",
               "cluster": args.cluster, "block_bytes": args.live_block_bytes,
@@ -401,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--lookahead-s", type=_non_negative_float, default=0.0, metavar="SECONDS",
                     help="also replay each capacity point with the blocks of requests queued within SECONDS "
                          "pinned; reported in its own column (single tier, --capacity-* only)")
+    rp.add_argument("--answers-at-finish", action="store_true",
+                    help="serve each request without how its answer ended and tell the policy right after, as "
+                         "kvcluster's vLLM connector does (vLLM stores a request's blocks before it finishes)")
     rp.add_argument("--calibration", type=_non_negative_float, nargs="?", const=60.0, metavar="SECONDS",
                     help="also score the reuse-gap predictor: Brier score and reliability per decile of "
                          "P(reuse within SECONDS) (default 60)")

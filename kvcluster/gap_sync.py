@@ -7,8 +7,10 @@ cluster's totals back (`GapSync.install`). So every node ranks blocks with what 
 nodes have seen, and a restarted control plane starts from the predictor's
 checkpointed totals instead of from the prior alone.
 
-Counts only grow, and each count is sent once: a delta is measured from the totals
-last installed, so a node never adds its own past counts twice.
+Each count is sent once: a delta is measured from the totals last installed, so a
+node never adds its own past counts twice. Counts grow, but for a request group
+that an answer told late moves to another class (`BayesPolicy.answered`): its counts
+leave one class for the other, and the delta carries both, the totals' sum unchanged.
 """
 
 from __future__ import annotations

@@ -104,6 +104,12 @@ class Hierarchy:
         demoted, dropped, dropped_from = self._cascade(evicted, 0, ctx, pinned)
         return ServeResult((), (), tuple(demoted), tuple(dropped), tuple(dropped_from))
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request ended, told after its blocks were stored: every tier's
+        policy may re-class them (`EvictionPolicy.answered`)."""
+        for policy in self.policies:
+            policy.answered(session, finish, output_tokens)
+
     def _pull_up(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
         promoted = []
         for tier in range(1, len(self.policies)):

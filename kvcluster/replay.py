@@ -46,6 +46,7 @@ class ReplayOptions:
     lookahead_s: float = 0.0  # > 0: also replay each single-tier point with queue look-ahead
     calibration_horizon_s: float = 0.0  # > 0: also score the reuse-gap predictor's P(reuse within this)
     control_shards: int = 1  # > 1: the managers' state split by key hash, as that many control plane shards
+    answers_at_finish: bool = False  # each answer told after its request's store, as vLLM's connector tells it
 
     def validate(self) -> None:
         known = policy_names()
@@ -137,11 +138,12 @@ def run_replay(
         for policy in options.policies:
             results.append(
                 replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
-                       control_shards=options.control_shards,
+                       control_shards=options.control_shards, answers_at_finish=options.answers_at_finish,
                        progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
             )
             if options.lookahead_s > 0:  # a separate figure, never mixed into the one above
-                ahead = replay(trace, policy, plan, lookahead_s=options.lookahead_s)
+                ahead = replay(trace, policy, plan, lookahead_s=options.lookahead_s,
+                               answers_at_finish=options.answers_at_finish)
                 results[-1].lookahead = {"lookahead_s": options.lookahead_s, "hit_rate": ahead.hit_rate}
     out = {
         "trace": trace.name,
@@ -152,6 +154,7 @@ def run_replay(
         "model": model_of(options),
         "results": [r.to_dict() for r in results],
         "infinite_hit_rate": trace.infinite_hit_rate(),
+        "answers": "told after each request's store" if options.answers_at_finish else "known at each store",
     }
     if options.topology:
         out["topology"] = {"cluster": options.topology, "node": cluster.node().name}

@@ -73,6 +73,11 @@ class ShardedHierarchy:
         parts = [self.shards[s].promote(sub, ctx, pinned) for s, sub in split_blocks(blocks, self.shard_of).items()]
         return _merged((), parts)
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """Each shard holds part of the session's latest request: each re-classes its part."""
+        for shard in self.shards:
+            shard.answered(session, finish, output_tokens)
+
     def check_integrity(self) -> None:
         for i, shard in enumerate(self.shards):
             shard.check_integrity()

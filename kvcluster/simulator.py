@@ -75,12 +75,13 @@ class PreparedTrace:
 
 
 def request_context(trace: PreparedTrace, i: int, next_use: Sequence[int] | None = None,
-                    future: dict[int, int] | None = None) -> RequestContext:
-    """What a policy knows when request `i` arrives; the live replay builds the same."""
+                    future: dict[int, int] | None = None, answer: bool = True) -> RequestContext:
+    """What a policy knows when request `i` arrives; the live replay builds the same. Without `answer`, how
+    its answer ended is left out (told after the request is served: `replay(..., answers_at_finish=True)`)."""
     return RequestContext(index=i, now=trace.arrivals[i], block_types=trace.types[i],
                           transition=trace.transitions[i], next_use=next_use, session=trace.sessions[i],
-                          future=future, finish=trace.finishes[i] if trace.finishes else "",
-                          output_tokens=trace.output_tokens[i] if trace.output_tokens else 0)
+                          future=future, finish=trace.finishes[i] if trace.finishes and answer else "",
+                          output_tokens=trace.output_tokens[i] if trace.output_tokens and answer else 0)
 
 
 def prepare(trace: Trace) -> PreparedTrace:
@@ -235,6 +236,7 @@ def replay(
     observe: Callable[[int, Hierarchy, float | None], None] | None = None,
     lookahead_s: float = 0.0,
     control_shards: int = 1,
+    answers_at_finish: bool = False,
 ) -> ReplayResult:
     """Replay `trace` through a hierarchy of `policy` tiers; optionally project TTFT.
 
@@ -256,6 +258,10 @@ def replay(
     With `control_shards > 1` the manager state is split by key hash as a cluster with that many control
     plane shards splits it (`kvcluster.sharded_hierarchy`): every tier's capacity is shared out and each
     shard's policy sees only its blocks of each request.
+
+    With `answers_at_finish` each request is served without how its answer ended, which is told right after
+    (`Hierarchy.answered`): the order vLLM's connector sees, where the engine stores a request's blocks
+    before it finishes.
     """
     if control_shards > 1 and (heads > 1 or lookahead_s > 0):
         raise ValueError("control_shards splits whole blocks over one hierarchy per shard: not with heads or "
@@ -282,7 +288,7 @@ def replay(
     seen_ahead = 0
     started = time.perf_counter()
     for i, blocks in enumerate(trace.blocks):
-        ctx = request_context(trace, i, next_uses[i] if next_uses else None, future)
+        ctx = request_context(trace, i, next_uses[i] if next_uses else None, future, not answers_at_finish)
         if heads > 1:
             per_tier, partial = shard_prefix(hierarchy, blocks, heads)
         if future is not None:
@@ -301,6 +307,9 @@ def replay(
                     queued[b] = queued.get(b, 0) + 1
                 seen_ahead += 1
         result = hierarchy.serve(blocks, ctx)
+        if answers_at_finish and ctx.session:
+            hierarchy.answered(ctx.session, trace.finishes[i] if trace.finishes else "",
+                               trace.output_tokens[i] if trace.output_tokens else 0)
         if lookahead_s > 0 and queued:
             _pin(hierarchy, result.dropped, queued, ctx)
         if heads == 1:

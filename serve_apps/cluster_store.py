@@ -351,6 +351,18 @@ class ClusterBlockStore:
         if pairs is not None:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request ended: this node's hbm policy and the control plane's
+        (one fire-and-forget call per shard, after the request's `store` calls) re-class its blocks."""
+        self.hbm.answered(session, finish, output_tokens)
+        if self.node is None or not session:
+            return
+        try:
+            self._control().answered(self.node, session, finish, output_tokens)
+        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): nothing to re-class there
+            self._control_handle = None
+            metrics.faults().inc(1, {"component": "control", "kind": "actor_unavailable"})
+
     def _control(self) -> ControlClient:
         if self._control_handle is None:
             self._control_handle = ControlClient.connect()

@@ -61,14 +61,15 @@ def transfer_config(cfg: VLLMAppConfig) -> dict | None:
 def vllm_sampling(params: SamplingParams, session: str = "", spans=()):
     """The front's sampling parameters as vLLM's, streamed as deltas. The session (the API's `user`) and the
     prompt's roles (`spans`: (block type, tokens) of the rendered chat) travel in `kv_transfer_params` to
-    kvcluster's connector, whose eviction policy classes the request's blocks by them."""
+    kvcluster's connector, whose eviction policy classes the request's blocks by them, and with a session, that a
+    `stop` ends the turn (this front calls no tools), so the policy learns how each answer ended."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from kvcluster.integrations.vllm.connector import SESSION_PARAM, SPANS_PARAM
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM, SPANS_PARAM, STOP_ENDS_TURN_PARAM
 
-    facts = ({SESSION_PARAM: session} if session else {}) | ({SPANS_PARAM: [[int(t), int(n)] for t, n in spans]}
-                                                             if spans else {})
+    facts = ({SESSION_PARAM: session, STOP_ENDS_TURN_PARAM: True} if session else {}) | (
+        {SPANS_PARAM: [[int(t), int(n)] for t, n in spans]} if spans else {})
     return VLLMSamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_tokens=params.min_tokens, stop=list(params.stop), seed=params.seed, ignore_eos=params.ignore_eos,

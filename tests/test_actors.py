@@ -236,3 +236,34 @@ def test_the_control_plane_pools_what_its_policy_learns_through_the_predictor(cl
         assert restarted["requests"] == 0 and restarted["gap_learned_uses"] == totals.total_reached() > 0
     finally:
         ray.kill(fresh, no_restart=True)
+
+
+def test_a_replica_store_passes_a_late_answer_to_its_hbm_policy_and_the_control_plane() -> None:
+    """`answered` re-classes the request in this node's hbm policy and goes on to every control plane shard
+    (one fire-and-forget call each, as the request's `commit` did); with no control plane it stays local."""
+    from kvcluster.policies.bayes import describe_class
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+
+    class Control:
+        def __init__(self) -> None:
+            self.told: list = []
+
+        def answered(self, node, session, finish, output_tokens) -> None:
+            self.told.append((node, session, finish, output_tokens))
+
+    hbm = LocalBlockStore(TieredStore([hbm_backend(8, 64)], 64, "bayes"))
+    store = ClusterBlockStore.__new__(ClusterBlockStore)  # the replica side only: no index or predictor actor
+    store.hbm, store.node, store._control_handle = hbm, "n0", Control()
+    keys = KeySpace(model="late-answer").chain_hash_ids([1, 2])
+    hbm.store(keys, [np.zeros(64, np.uint8)] * 2, session="alice")
+    store.answered("alice", "stop", 12)
+    assert store._control_handle.told == [("n0", "alice", "stop", 12)]
+    policy = hbm.tiered.hierarchy.policies[0]
+    assert describe_class(policy._gcls[0]) == {"transition": "first", "session_gap": "first request",
+                                              "finish": "end of turn", "first_answer": "< 32 tokens"}
+    store.node = None  # a replica outside a cluster: its own hbm only
+    store.answered("alice", "stop", 12)
+    assert len(store._control_handle.told) == 1

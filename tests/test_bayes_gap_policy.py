@@ -190,7 +190,7 @@ def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead, ghosts
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 8), st.lists(st.tuples(st.sampled_from(["access", "admit", "discard"]),
+@given(st.integers(0, 8), st.lists(st.tuples(st.sampled_from(["access", "admit", "discard", "answered"]),
                                              st.lists(st.integers(0, 30), min_size=1, max_size=6)), max_size=50),
        GHOSTS)
 def test_admissions_and_discards_keep_the_ghosts_and_groups_consistent(capacity, ops, ghosts) -> None:
@@ -199,6 +199,8 @@ def test_admissions_and_discards_keep_the_ghosts_and_groups_consistent(capacity,
         blocks = list(dict.fromkeys(blocks))
         if op == "discard":
             policy.discard(blocks)
+        elif op == "answered":  # told late, whatever happened to the blocks meanwhile
+            policy.answered(str(blocks[0] % 2), ("end_turn", "tool_use", "")[blocks[0] % 3], 10 * blocks[-1])
         else:
             getattr(policy, op)(blocks, ctx(i, len(blocks), 3.0 * i, session=str(i % 2)))
         assert len(policy) <= capacity
@@ -359,3 +361,87 @@ def test_past_max_sessions_the_half_idle_longest_is_forgotten() -> None:
         == ">= 64 s"
     with pytest.raises(ValueError):
         BayesPolicy(capacity=100, max_sessions=0)
+
+
+def _state(policy: BayesPolicy) -> tuple:
+    """Everything an answer moves: each group's class, the class queues and the model's counts."""
+    model = policy.model
+    return (list(policy._gcls), [list(q) for q in policy._queues], sorted(policy._active),
+            [list(r) for r in model.reached], [list(r) for r in model.reused], list(model.groups))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.sampled_from(["", "tool_use", "end_turn", "stop"]),
+                          st.integers(0, 600), st.floats(0.0, 90.0)), min_size=1, max_size=40))
+def test_an_answer_told_after_the_store_classes_as_one_known_at_it(requests) -> None:
+    """With room for everything (nothing evicted, so nothing decided before the answer came), a request stored
+    without its answer and told it right after leaves the policy exactly as one stored with it: the same class
+    per group, queues in the same order and the same counts, refreshes and crossings included."""
+    told, known = BayesPolicy(10_000, refresh_requests=3), BayesPolicy(10_000, refresh_requests=3)
+    now, next_block = 0.0, 0
+    history: dict[int, list[int]] = {}
+    for session, fresh, finish, tokens, gap in requests:
+        now += gap
+        blocks = history.get(session, []) + list(range(next_block, next_block + fresh))
+        next_block += fresh
+        history[session] = blocks
+        transition = int(TransitionType.APPEND if len(blocks) > fresh else TransitionType.FIRST)
+        name = f"s{session}"
+        known.access(blocks, RequestContext(index=0, now=now, transition=transition, session=name, finish=finish,
+                                            output_tokens=tokens))
+        told.access(blocks, RequestContext(index=0, now=now, transition=transition, session=name))
+        told.answered(name, finish, tokens)
+        told.check_integrity()
+        assert _state(told) == _state(known)
+
+
+def test_an_answer_moves_a_group_only_while_its_blocks_are_its_own() -> None:
+    """Told after a block of the request was used again, the answer changes nothing (its counts are spread over
+    other groups by then); an answer to a session with no request waiting, or told twice, is ignored."""
+    policy = BayesPolicy(100)
+    unknown = class_of(int(TransitionType.FIRST))
+    policy.access([1, 2, 3], RequestContext(index=0, now=0.0, session="a"))
+    policy.access([1, 9], RequestContext(index=1, now=5.0, session="b"))  # block 1 used again by another session
+    policy.answered("a", "end_turn", 10)
+    policy.answered("nobody", "end_turn", 10)
+    assert policy._gcls[0] == unknown
+    policy.answered("b", "end_turn", 10)
+    assert policy._gcls[1] == class_of(int(TransitionType.FIRST), finish=2, answer=1)
+    policy.answered("b", "tool_use", 900)  # no request of b waits for its answer any more
+    assert policy._gcls[1] == class_of(int(TransitionType.FIRST), finish=2, answer=1)
+    policy.check_integrity()
+
+
+def test_a_first_request_waiting_for_its_answer_is_no_bypass_victim_of_its_own_store() -> None:
+    """Stored before its answer is known, a session's first request would rank in the class of an unknown
+    answer and go at once as that class's newest group; it goes last instead, and the answer places it."""
+    policy = BayesPolicy(4)
+    policy.access([1, 2], RequestContext(index=0, now=0.0, session="a", finish="end_turn", output_tokens=500))
+    policy.access([3, 4], RequestContext(index=1, now=1.0, session="b", finish="end_turn", output_tokens=500))
+    evicted = policy.access([5, 6], RequestContext(index=2, now=2.0, session="c"))
+    assert sorted(evicted) == [1, 2] and 5 in policy and 6 in policy
+    policy.answered("c", "end_turn", 10)
+    policy.check_integrity()
+
+
+def test_answers_told_out_of_order_keep_a_class_in_the_order_its_requests_came() -> None:
+    policy = BayesPolicy(100)
+    policy.access([1, 2], RequestContext(index=0, now=0.0, session="a"))
+    policy.access([3, 4], RequestContext(index=1, now=1.0, session="b"))
+    policy.answered("b", "end_turn", 10)
+    policy.answered("a", "end_turn", 10)
+    assert list(policy._queues[class_of(int(TransitionType.FIRST), finish=2, answer=1)]) == [0, 1]
+    policy.check_integrity()
+
+
+def test_until_its_answer_is_told_a_request_is_classed_as_its_sessions_last_answer_ended() -> None:
+    policy = BayesPolicy(100)
+    policy.access([1], RequestContext(index=0, now=0.0, session="s"))
+    policy.answered("s", "tool_use", 40)
+    policy.access([1, 2], RequestContext(index=1, now=5.0, session="s", transition=int(TransitionType.AGENT_STEP)))
+    assert describe_class(policy._gcls[1])["finish"] == "tool call"
+    policy.answered("s", "end_turn", 40)
+    assert describe_class(policy._gcls[1])["finish"] == "end of turn"
+    policy.access([1, 2, 3], RequestContext(index=2, now=90.0, session="s", transition=int(TransitionType.APPEND)))
+    assert describe_class(policy._gcls[2])["finish"] == "end of turn"
+    policy.check_integrity()

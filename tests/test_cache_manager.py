@@ -117,9 +117,11 @@ def test_the_plane_over_real_bytes_hits_exactly_what_the_simulator_replays(moonc
                                             zip(plan, manager.occupancy().values())]
 
 
-def serve_through_local_store(trace, policy: str, tmp_path) -> int:
+def serve_through_local_store(trace, policy: str, tmp_path, answers_at_finish: bool = False) -> int:
     """The trace served as a runner serves requests: `fetch` the prompt's run, then `store` all of the request's
-    blocks (None for the fetched run) with their pairs, how the answer ended and the session. Returns the hits."""
+    blocks (None for the fetched run) with their pairs, how the answer ended and the session; or, as vLLM's
+    connector does (`answers_at_finish`), stored without the answer and `answered` right after. Returns the
+    hits."""
     tiers = [dram_backend(trace.unique_blocks // 50, BLOCK), NVMeBackend(tmp_path / "nvme", trace.unique_blocks // 25,
                                                                           BLOCK),
              PFSBackend(tmp_path / "pfs", trace.unique_blocks // 10 * BLOCK)]
@@ -132,9 +134,11 @@ def serve_through_local_store(trace, policy: str, tmp_path) -> int:
         assert all(np.array_equal(p, payload_of(k)) for p, k in zip(got, keys))
         hits += len(got)
         ctx = request_context(trace, i)
+        answer = ("", 0) if answers_at_finish else (ctx.finish, ctx.output_tokens)
         store.store(keys, [None] * len(got) + [payload_of(k) for k in keys[len(got):]],
-                    [pair_index(t, ctx.transition) for t in ctx.block_types], ctx.finish, ctx.output_tokens,
-                    ctx.session)
+                    [pair_index(t, ctx.transition) for t in ctx.block_types], *answer, ctx.session)
+        if answers_at_finish:
+            store.answered(ctx.session, ctx.finish, ctx.output_tokens)
     store.tiered.check_integrity()
     return hits
 
@@ -147,6 +151,15 @@ def test_a_local_store_serving_the_trace_hits_exactly_what_the_simulator_replays
     plan = [TierPlan("dram", trace.unique_blocks // 50), TierPlan("nvme", trace.unique_blocks // 25),
             TierPlan("pfs", trace.unique_blocks // 10)]
     assert serve_through_local_store(trace, policy, tmp_path) == replay(trace, policy, plan).prefix_hits > 0
+
+
+def test_a_local_store_told_each_answer_after_its_store_hits_what_the_simulator_replays_so(tmp_path) -> None:
+    trace = prepare(load_trace(str(require_data("mooncake", "synthetic_trace.jsonl")), max_records=600))
+    plan = [TierPlan("dram", trace.unique_blocks // 50), TierPlan("nvme", trace.unique_blocks // 25),
+            TierPlan("pfs", trace.unique_blocks // 10)]
+    told = replay(trace, "bayes", plan, answers_at_finish=True).prefix_hits
+    assert serve_through_local_store(trace, "bayes", tmp_path, answers_at_finish=True) == told > 0
+    assert told != replay(trace, "bayes", plan).prefix_hits  # the order the answer comes in matters here
 
 
 requests = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=40)

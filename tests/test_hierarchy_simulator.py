@@ -11,6 +11,7 @@ from kvcluster.hierarchy import Hierarchy
 from kvcluster.keys import KeySpace
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.registry import make_policy, policy_names
+from kvcluster.policies.bayes import describe_class
 from kvcluster.simulator import TierPlan, prepare, replay
 from kvcluster.traces.base import Trace, TraceRequest
 
@@ -103,3 +104,25 @@ def test_lookahead_pins_blocks_of_queued_requests() -> None:
     assert replay(prepared, "lru", plan, lookahead_s=0.5).hit_rate == 0.0  # the queue is not seen that far
     with pytest.raises(ValueError, match="single tier"):
         replay(prepared, "lru", [TierPlan("hbm", 2), TierPlan("dram", 2)], lookahead_s=1.0)
+
+
+def test_answers_told_after_each_request_replay_on_the_vllm_connectors_order() -> None:
+    """`answers_at_finish` serves each request without how its answer ended and tells it right after, as
+    vLLM's connector does. With no answers in the trace there is nothing to tell: the replay is the plain one.
+    With them (a Claude Code session: tool calls and ends of turn), every tier stays consistent and the first
+    tier's policy ends up with classes that name how the answers ended."""
+    import dataclasses
+
+    from data_support import require_data
+    from kvcluster.traces import load_trace
+
+    prepared = prepare(load_trace(str(require_data("weka_claude_code_traces", "trace_0017.json"))))
+    plan = [TierPlan("hbm", prepared.unique_blocks // 20), TierPlan("dram", prepared.unique_blocks // 10)]
+    bare = dataclasses.replace(prepared, finishes=(), output_tokens=())
+    plain, told = replay(bare, "bayes", plan), replay(bare, "bayes", plan, answers_at_finish=True)
+    assert (told.hit_rate, told.tiers, told.evictions) == (plain.hit_rate, plain.tiers, plain.evictions)
+    seen: list = []
+    replay(prepared, "bayes", plan, answers_at_finish=True, check_every=1,
+           observe=lambda i, hierarchy, _: seen.append(hierarchy.policies[0]))
+    finishes = {describe_class(c).get("finish") for c in seen[-1]._gcls}
+    assert {"tool call", "end of turn"} <= finishes

@@ -80,6 +80,18 @@ def test_a_control_plane_split_over_two_shards_hits_what_the_split_simulator_say
     assert live["prefix_hits"] > 0
 
 
+def test_answers_told_to_the_control_plane_after_each_request_hit_what_the_simulator_says(own_ray, trace) -> None:
+    """As vLLM's connector tells them: each request stored without its answer, which reaches the control
+    plane's shards after it; live equals `replay(answers_at_finish=True)`, per tier."""
+    caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
+    out = replay_live(trace, "bayes", "local", caps, control_shards=2, answers_at_finish=True)
+    live, simulated = out["live"], out["simulated"]
+    assert out["wrong_bytes"] == 0 and out["max_abs_diff"] == 0.0
+    assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
+    assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
+    assert live["prefix_hits"] > 0
+
+
 def test_stand_in_bytes_differ_for_every_block() -> None:
     a, b = block_payload(block_key(1), 4096), block_payload(block_key(2), 4096)
     assert a.nbytes == 4096 and (a != b).any() and (block_payload(block_key(1), 4096) == a).all()

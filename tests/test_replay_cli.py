@@ -93,6 +93,24 @@ def test_replay_lookahead_is_its_own_figure(capsys) -> None:
     assert [r["hit_rate"] for r in plain["results"]] == [r["hit_rate"] for r in data["results"]]
 
 
+def test_replay_answers_at_finish_tells_each_answer_after_its_store(capsys) -> None:
+    """The vLLM connector's order: what `replay(answers_at_finish=True)` gives, which differs from the answers
+    known at the store on a Claude Code session (tool calls and ends of turn)."""
+    from data_support import require_data
+    from kvcluster.simulator import TierPlan, prepare, replay
+    from kvcluster.traces import load_trace
+
+    path = str(require_data("weka_claude_code_traces", "trace_0017.json"))
+    prepared = prepare(load_trace(path))
+    cap = prepared.unique_blocks // 10
+    code, data, _ = run(capsys, "replay", path, "--policies", "bayes", "--capacity-blocks", str(cap),
+                        "--answers-at-finish", "--json")
+    assert code == 0 and data["answers"] == "told after each request's store"
+    told = replay(prepared, "bayes", [TierPlan("hbm", cap)], answers_at_finish=True).hit_rate
+    known = replay(prepared, "bayes", [TierPlan("hbm", cap)]).hit_rate
+    assert data["results"][0]["hit_rate"] == told != known
+
+
 @pytest.mark.parametrize(
     "argv,fragment",
     [

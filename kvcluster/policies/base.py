@@ -87,6 +87,11 @@ class EvictionPolicy(ABC):
         return it would learn from). The cache manager frees a block's key once no tier remembers it."""
         return block in self
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """The answer to `session`'s latest request ended so (`finish` as the API names it, `output_tokens`
+        generated), told after the request's blocks were stored without it. A policy that classes blocks by
+        how the answer ended re-classes them; the default ignores it, as the classical policies do."""
+
     @property
     def sessions_known(self) -> int:
         """Sessions whose pace the policy remembers (0 for one that does not class requests by session)."""

@@ -38,6 +38,10 @@ class BlockStore(Protocol):
         was (the API's `user`, "" if none), which the eviction policy classes its blocks by
         (`policies/bayes.py`: a session's pace)."""
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request ended, for a store that got its blocks before it was
+        known (vLLM's connector stores them as the engine computes them): the policy re-classes them."""
+
 
 class LocalBlockStore:
     """A TieredStore in this process (hbm, dram, ... backends), safe across threads.
@@ -91,6 +95,11 @@ class LocalBlockStore:
             self._requests += 1
             ctx = served_context(self._requests, self._clock(), pairs, finish, output_tokens, session)
             self.tiered.commit(keys, payloads, ctx)
+
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        if session:
+            with self._lock:
+                self.tiered.answered(session, finish, output_tokens)
 
     def place(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray]) -> None:
         """Keep blocks a request read from elsewhere (another node's tiers) without counting a use: that

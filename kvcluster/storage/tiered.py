@@ -117,6 +117,10 @@ class TieredStore:
         self.plane.place(keys, {k: (p, None) for k, p in zip(keys, payloads)}, ctx)
         self._drain_events()
 
+    def answered(self, session: str, finish: str, output_tokens: int) -> None:
+        """How the answer to `session`'s latest request ended, told after its `commit` (`CacheManager.answered`)."""
+        self.manager.answered(session, finish, output_tokens)
+
     def _drain_events(self) -> None:
         events = self.manager.drain_events()
         if self.residency is not None:

@@ -134,6 +134,13 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
         store(keys, payloads, pairs, finish, output_tokens, session)
 
     shared.store.store = recorded
+    answered, told = [], shared.store.answered
+
+    def recorded_answer(session, finish, output_tokens):
+        answered.append((session, finish, output_tokens, len(calls)))
+        told(session, finish, output_tokens)
+
+    shared.store.answered = recorded_answer
     roles = [[int(BlockType.SYSTEM), 300], [int(BlockType.HISTORY), len(PROMPT) - 300]]  # a 300-token system prompt
     first = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, extra_args={
         "kv_transfer_params": {SESSION_PARAM: "tenant/alice", SPANS_PARAM: roles}})
@@ -152,6 +159,9 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     append = pair_index(BlockType.HISTORY, TransitionType.APPEND)
     assert calls[1:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice")]
     assert shared.saved_blocks == 4 and shared.loaded_blocks == 4
+    # the first request's answer (6 tokens, cut at max_tokens) reached the store with the next step, before
+    # that step's save; a `length` finish names no class, and without the front's word a `stop` would not either
+    assert answered == [("tenant/alice", "length", 6, 1)]
 
     # an answer that completes a block: a save of its own in a later step, which names no session (two saves of
     # one request seconds apart are not two requests of its session)
@@ -177,6 +187,27 @@ def test_roles_that_do_not_describe_the_prompt_leave_it_history(spans) -> None:
         assert types == (BlockType.SYSTEM,) * 5
     else:  # not a list of [type, tokens] pairs adding up to the prompt: ignored
         assert types == (BlockType.HISTORY,) * 5
+
+
+def test_a_finished_requests_answer_is_passed_on_as_the_front_vouches_for_it() -> None:
+    """A `stop` may be a tool call that vLLM's OpenAI layer parses later: it ends the turn only when the request
+    says so (kvcluster's front calls no tools); an aborted or failed request tells nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import FinishReason
+
+    from kvcluster.integrations.vllm.connector import STOP_ENDS_TURN_PARAM, answer_of
+
+    def finished(reason, params=None):
+        return SimpleNamespace(get_finished_reason=lambda: reason, kv_transfer_params=params, num_output_tokens=42)
+
+    assert answer_of(finished(FinishReason.STOP, {STOP_ENDS_TURN_PARAM: True})) == ("stop", 42)
+    assert answer_of(finished(FinishReason.STOP)) == ("", 42)
+    assert answer_of(finished(FinishReason.STOP, {STOP_ENDS_TURN_PARAM: "yes"})) == ("", 42)
+    assert answer_of(finished(FinishReason.LENGTH)) == ("length", 42)
+    assert answer_of(finished(FinishReason.ABORT)) is None
+    assert answer_of(finished(FinishReason.ERROR)) is None
+    assert answer_of(finished(None)) is None
 
 
 def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(model_dir, reference,

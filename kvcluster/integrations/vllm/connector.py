@@ -85,6 +85,10 @@ SPANS_PARAM = "kvcluster_spans"
 """The `kv_transfer_params` key of the prompt's roles: [[block type, tokens], ...] in order (`BlockType` values:
 a system prompt is SYSTEM, a tool result TOOL, ...), adding up to the prompt. kvcluster's front sends its
 rendered chat's; the policy ranks a request's leading SYSTEM blocks as a prefix other sessions share."""
+STOP_ENDS_TURN_PARAM = "kvcluster_stop_ends_turn"
+"""The `kv_transfer_params` key that says a `stop` finish of this request ends its turn (the front calls no tools:
+kvcluster's refuses them). Without it the engine's `stop` may be a tool call, which the OpenAI layer above it
+tells apart, so only the answer's length is passed on."""
 MAX_SESSION_CHARS = 256
 MAX_SPANS = 4096
 _BLOCK_TYPES = frozenset(int(t) for t in BlockType)
@@ -95,7 +99,7 @@ class RequestFacts:
     """What the eviction policy knows of a request on the engine path: its session, whether it continued a
     cached prefix (APPEND) or started cold (FIRST), and the types of its prompt's blocks (the block holding
     the prompt's end included; the blocks past it hold the answer). The engine gives no finish reason
-    before the blocks are stored.
+    before the blocks are stored; `request_finished` tells it after (`answer_of`).
 
     Only a request's first save names its session: the policy takes the time between two stores of a
     session for the gap between two of its requests, and the saves of one request (the blocks its answer
@@ -136,6 +140,20 @@ def request_session(request: "Request") -> str:
     return session[:MAX_SESSION_CHARS]
 
 
+def answer_of(request: "Request") -> tuple[str, int] | None:
+    """(finish, output tokens) of a finished request for the eviction policy, None for one that did not end on
+    its own (aborted, failed). `stop` is passed on only where the request says it ends the turn
+    (STOP_ENDS_TURN_PARAM); `length` and the rest name no class of their own."""
+    reason = request.get_finished_reason()
+    name = str(reason) if reason is not None else ""
+    if name in ("", "abort", "error"):
+        return None
+    params = request.kv_transfer_params
+    if name == "stop" and not (isinstance(params, dict) and params.get(STOP_ENDS_TURN_PARAM) is True):
+        name = ""
+    return name, int(request.num_output_tokens)
+
+
 @dataclass(frozen=True)
 class BlockTransfer:
     """Blocks of one request to move: kvcluster keys and the vLLM block ids they belong in, in order; a save
@@ -153,6 +171,8 @@ class KVClusterMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     written: list[int] = field(default_factory=list)  # blocks this step's forward writes into (lending only)
+    answers: list[tuple[str, str, int]] = field(default_factory=list)  # (session, finish, output tokens) of the
+    #   requests that finished since the last step and named a session
 
 
 @dataclass
@@ -237,6 +257,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (first block, blocks) of the last match
         self._loads: dict[str, BlockTransfer] = {}  # loads for the next step's metadata
         self._issued: dict[str, BlockTransfer] = {}  # loads handed out whose outcome is not known yet
+        self._answers: list[tuple[str, str, int]] = []  # finished requests' answers, for the next step's workers
         # worker side
         self._async_loads, self._async_saves = config.async_loads, config.async_saves
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcluster-load") if self._async_loads else None
@@ -319,8 +340,9 @@ class KVClusterConnector(KVConnectorBase_V1):
         tracked.load_start = start
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVClusterMetadata(loads=list(self._loads.values()))
+        meta = KVClusterMetadata(loads=list(self._loads.values()), answers=self._answers)
         self._loads.clear()
+        self._answers = []
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -380,8 +402,14 @@ class KVClusterConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saved blocks leave the paged KV by the end of each step (copied out, stored now or in the
-        background), so vLLM may free the blocks now."""
-        self._tracked.pop(request.request_id, None)
+        background), so vLLM may free the blocks now. A request that named its session and saved blocks has
+        its answer told to the workers' stores with the next step (`answer_of`): the engine stored its
+        blocks before it knew how the answer would end."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None and tracked.session_told and tracked.facts is not None and tracked.facts.session:
+            answer = answer_of(request)
+            if answer is not None:
+                self._answers.append((tracked.facts.session, *answer))
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         self._issued.pop(request.request_id, None)
@@ -491,6 +519,11 @@ class KVClusterConnector(KVConnectorBase_V1):
         uses, with the request's pairs and session."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVClusterMetadata)
+        for answer in meta.answers:  # before this step's saves, and after the requests' own (one saver thread)
+            if self._saver is None:
+                self._store.answered(*answer)
+            else:
+                self._saver.submit(self._store.answered, *answer).add_done_callback(_report)
         for save in meta.saves:
             keys = self._stored(save.keys)
             held = self._shared.local.holds(keys)
