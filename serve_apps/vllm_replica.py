@@ -169,8 +169,8 @@ class VLLMReplica:
         from kvcluster.integrations.vllm.store import engine_stores
 
         stores = list(engine_stores().values())
-        counts = {k: getattr(stores[0], k) for k in ("loaded_blocks", "saved_blocks", "failed_blocks")} \
-            if stores else {}
+        named = ("loaded_blocks", "saved_blocks", "failed_blocks", "answers_told")
+        counts = {k: getattr(stores[0], k) for k in named} if stores else {}
         if stores:  # sessions whose pace the connector's policy learns (the API's `user`)
             counts["sessions"] = stores[0].local.tiered.manager.sessions_known()
         return {"pid": os.getpid(), "served": self.served, "block_size": self.block_size,

@@ -70,6 +70,7 @@ def test_chat_reports_cached_tokens_too_and_the_user_is_the_session_the_policy_l
     assert first.choices[0].message.content == second.choices[0].message.content
     info = serve.get_deployment_handle("VLLMReplica", app_name="vllm").info.remote().result()
     assert info["connector"]["sessions"] == 1  # the first test's requests named no user
+    assert info["connector"]["answers_told"] >= 1  # alice's first answer, with the step of her second request
 
 
 def test_a_bad_request_is_a_400_naming_the_field(client) -> None:

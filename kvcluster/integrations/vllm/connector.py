@@ -524,6 +524,7 @@ class KVClusterConnector(KVConnectorBase_V1):
                 self._store.answered(*answer)
             else:
                 self._saver.submit(self._store.answered, *answer).add_done_callback(_report)
+            self._shared.answers_told += 1
         for save in meta.saves:
             keys = self._stored(save.keys)
             held = self._shared.local.holds(keys)

@@ -231,6 +231,7 @@ class EngineStore:
     loaded_blocks: int = 0  # blocks copied from the store into vLLM's paged KV
     failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
     saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
+    answers_told: int = 0  # finished requests whose answer (length, finish) went to the store's policy
     saving: list = field(default_factory=list)  # Futures of background stores (`async_saves`)
     lending: object = None  # `PagedKVLending` when the engine lends its paged KV as its node's hbm tier
 
