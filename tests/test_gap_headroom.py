@@ -73,3 +73,15 @@ def test_oracle_when_keeps_a_class_for_shared_prefixes_too():
         oracle.access(blocks, ctx)
         oracle.check_integrity()
     assert oracle.model.reached[oracle._shared_class][0] == sum(len(set(b)) for b in CONVERSATIONS.blocks)
+
+
+def test_oracle_when_classes_a_request_s_own_blocks_by_the_true_time_to_its_session_s_next():
+    """Replayed, not only asked: each group's class is the bucket of its session's true next gap (< 4 s, < 8 s,
+    < 16 s, ... or never), times the transitions (all FIRST here)."""
+    OracleWhen.gaps = next_session_gaps(CONVERSATIONS)  # 10, 2, never, 9, never, never
+    oracle = OracleWhen(100, refresh_requests=1)
+    for i, blocks in enumerate(CONVERSATIONS.blocks):
+        oracle.access(blocks, RequestContext(index=i, now=CONVERSATIONS.arrivals[i], session=CONVERSATIONS.sessions[i]))
+        oracle.check_integrity()
+    per_bucket = 4  # transitions
+    assert oracle._gcls == [2 * per_bucket, 0, 8 * per_bucket, 2 * per_bucket, 8 * per_bucket, 8 * per_bucket]

@@ -312,12 +312,8 @@ class BayesPolicy(EvictionPolicy):
         self._ends.clear()
 
     def _session_class(self, ctx: RequestContext, remember: bool) -> int:
-        """Class of the request's blocks but its shared prefix (`_request_class`)."""
-        return self._request_class(ctx, remember)[0]
-
-    def _request_class(self, ctx: RequestContext, remember: bool) -> tuple[int, bool]:
-        """Class of the request's blocks but its shared prefix (transition, the geometric mean of the session's
-        gaps between requests so far, how its answer ended), and whether it is its session's first request.
+        """Class of the request's blocks but its shared prefix: transition, the geometric mean of the session's
+        gaps between requests so far and how its answer ended.
 
         The geometric mean and not the last gap: one gap is a noisy draw of the session's pace, and the
         mean of all of them keeps a session in one class while its pace holds (it closed more of the gap to
@@ -346,7 +342,7 @@ class BayesPolicy(EvictionPolicy):
             if len(sessions) > self._max_sessions:
                 self._forget_sessions()
         answer = answer_bucket(ctx.output_tokens) if seen is None else 0  # the session's first request
-        return class_of(ctx.transition, sb, finish, answer), seen is None
+        return class_of(ctx.transition, sb, finish, answer)
 
     def predict_within(self, blocks: Sequence[int], ctx: RequestContext, horizon_s: float) -> list[float]:
         """P(each block is used again within `horizon_s` of this request), before `access` sees it.
@@ -380,7 +376,8 @@ class BayesPolicy(EvictionPolicy):
         n = len(blocks)
         if not n:
             return []
-        cls, first = self._request_class(ctx, remember=True)
+        first = ctx.session not in self._sessions  # its session's first request (or it names none)
+        cls = self._session_class(ctx, remember=True)
         last, gtime, gcls, galive = self._last, self._gtime, self._gcls, self._galive
         reused, settle = self.model.reused, self._settle
         base, lastbin = self._base, self._lastbin
