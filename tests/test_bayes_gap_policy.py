@@ -445,3 +445,15 @@ def test_until_its_answer_is_told_a_request_is_classed_as_its_sessions_last_answ
     policy.access([1, 2, 3], RequestContext(index=2, now=90.0, session="s", transition=int(TransitionType.APPEND)))
     assert describe_class(policy._gcls[2])["finish"] == "end of turn"
     policy.check_integrity()
+
+
+def test_requests_whose_answer_never_comes_are_given_up_past_max_sessions() -> None:
+    policy = BayesPolicy(1000, max_sessions=4)
+    for i in range(10):
+        policy.access([10 * i, 10 * i + 1], RequestContext(index=i, now=float(i), session=f"s{i}"))
+        assert len(policy._unanswered) <= 4
+    policy.answered("s9", "end_turn", 10)  # the latest is still waiting
+    assert describe_class(policy._gcls[9])["finish"] == "end of turn"
+    policy.answered("s0", "end_turn", 10)  # given up long ago: nothing to move
+    assert describe_class(policy._gcls[0])["finish"] == "unknown"
+    policy.check_integrity()

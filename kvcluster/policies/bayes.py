@@ -82,8 +82,9 @@ rebuilt in O(classes with counts x bins).
 Memory, bounded for a cache that runs without end: the resident blocks; the
 blocks that left, up to twice `ghost_factor` x capacity (at least `min_ghosts`),
 whose returns still count as reuses at their true gap; the request groups, up to
-twice what the last compaction kept (at least `min_groups`); and the sessions, up
-to `max_sessions`. Each bound is checked at an eviction or a refresh, never per
+twice what the last compaction kept (at least `min_groups`); and the sessions, and
+the requests waiting for their answer, each up to `max_sessions`. Each bound is
+checked at an eviction, a refresh or a request that waits for its answer, never per
 block.
 """
 
