@@ -49,6 +49,8 @@ class EvictionPolicy(ABC):
       tier above); resident blocks are left untouched. Returns evicted ids.
     - `discard` removes blocks if resident (promotion upwards, invalidation);
       it never evicts anything else.
+    - `answered` tells how a session's latest answer ended after its `access`;
+      it moves and evicts nothing.
     - `check_integrity` raises AssertionError when internal structures disagree.
     """
 
