@@ -44,10 +44,11 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print only the full report, as JSON, on stdout")
     parser.add_argument("--sharegpt-records", type=int, default=SHAREGPT_RECORDS, help="ShareGPT entries to tokenize")
     parser.add_argument("--policies", default=",".join(policy_names()))
-    parser.add_argument("--without-answers", action="store_true",
-                        help="drop every request's finish reason and answer length")
-    parser.add_argument("--answers-at-finish", action="store_true",
-                        help="tell each request's answer after its blocks are stored (the vLLM connector's order)")
+    answers = parser.add_mutually_exclusive_group()
+    answers.add_argument("--without-answers", action="store_true",
+                         help="drop every request's finish reason and answer length")
+    answers.add_argument("--answers-at-finish", action="store_true",
+                         help="tell each request's answer after its blocks are stored (the vLLM connector's order)")
     args = parser.parse_args()
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in policy_names()]
