@@ -330,15 +330,15 @@ class ClusterBlockStore:
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
-              session: str = "") -> None:
+              session: str = "", continues: bool = False) -> None:
         """Keep the request's blocks in hbm, then hand the whole request to the control plane in one
         fire-and-forget call: its policy places the new blocks and moves the ones this request used
         (promotions, and migrations from other nodes) through the tiers."""
-        self.hbm.store(keys, payloads, pairs, finish, output_tokens, session)
+        self.hbm.store(keys, payloads, pairs, finish, output_tokens, session, continues)
         if self.node is None or not keys:
             return
         self._requests += 1
-        ctx = served_context(self._requests, time.time(), pairs, finish, output_tokens, session)
+        ctx = served_context(self._requests, time.time(), pairs, finish, output_tokens, session, continues)
         new = [p for p in payloads if p is not None]
         try:
             self._control().commit(self.node, list(keys), list(payloads), ctx)

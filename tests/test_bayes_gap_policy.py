@@ -190,7 +190,7 @@ def test_invariants_with_shared_prefixes(capacity, token_runs, gap, lead, ghosts
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 8), st.lists(st.tuples(st.sampled_from(["access", "admit", "discard", "answered"]),
+@given(st.integers(0, 8), st.lists(st.tuples(st.sampled_from(["access", "more", "admit", "discard", "answered"]),
                                              st.lists(st.integers(0, 30), min_size=1, max_size=6)), max_size=50),
        GHOSTS)
 def test_admissions_and_discards_keep_the_ghosts_and_groups_consistent(capacity, ops, ghosts) -> None:
@@ -201,6 +201,8 @@ def test_admissions_and_discards_keep_the_ghosts_and_groups_consistent(capacity,
             policy.discard(blocks)
         elif op == "answered":  # told late, whatever happened to the blocks meanwhile
             policy.answered(str(blocks[0] % 2), ("end_turn", "tool_use", "")[blocks[0] % 3], 10 * blocks[-1])
+        elif op == "more":  # a later part of the session's latest request
+            policy.access(blocks, RequestContext(index=i, now=3.0 * i, session=str(i % 2), continues=True))
         else:
             getattr(policy, op)(blocks, ctx(i, len(blocks), 3.0 * i, session=str(i % 2)))
         assert len(policy) <= capacity
@@ -456,4 +458,22 @@ def test_requests_whose_answer_never_comes_are_given_up_past_max_sessions() -> N
     assert describe_class(policy._gcls[9])["finish"] == "end of turn"
     policy.answered("s0", "end_turn", 10)  # given up long ago: nothing to move
     assert describe_class(policy._gcls[0])["finish"] == "unknown"
+    policy.check_integrity()
+
+
+def test_a_request_stored_in_parts_is_one_request_of_its_session_and_its_answer_moves_every_part() -> None:
+    """vLLM's connector stores a long prompt chunk by chunk and the blocks an answer completes later: the parts
+    after the first (`continues`) take its class, count no gap of the session's pace, and the answer moves
+    them all."""
+    policy = BayesPolicy(100)
+    policy.access([1, 2], RequestContext(index=0, now=0.0, session="s", transition=int(TransitionType.APPEND)))
+    pace = policy._sessions["s"]
+    policy.access([3, 4], RequestContext(index=1, now=3.0, session="s", continues=True))  # FIRST by default: ignored
+    policy.access([5], RequestContext(index=2, now=9.0, session="s", continues=True))
+    assert policy._sessions["s"] == pace and policy._gcls == [policy._gcls[0]] * 3
+    policy.answered("s", "end_turn", 300)
+    assert [describe_class(c)["finish"] for c in policy._gcls] == ["end of turn"] * 3
+    assert describe_class(policy._gcls[0])["transition"] == "append"
+    policy.access([6], RequestContext(index=3, now=20.0, session="s", continues=True))  # nothing waits: no pace
+    assert policy._sessions["s"][0] == 0.0
     policy.check_integrity()

@@ -32,6 +32,8 @@ class RequestContext:
     session: str = ""
     finish: str = ""  # how the request's generation ended, when known ("tool_use", "end_turn", ...)
     output_tokens: int = 0  # tokens the request generated, when known (0: unknown)
+    continues: bool = False  # more blocks of the session's latest request (a later prefill chunk, blocks its answer
+    #   completed), stored apart from its first ones: not a request of its own
     future: Mapping[int, int] | None = None  # offline only: next use of any block (for demoted blocks)
 
 

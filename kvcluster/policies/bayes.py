@@ -216,8 +216,8 @@ class BayesPolicy(EvictionPolicy):
         self._ends: dict[int, tuple[tuple, float]] = {}  # eviction candidates kept while their age bin holds
         self._tails: dict[int, int] = {}  # group of a shared prefix -> the group of the rest of its request
         self._arrived: set[int] = set()  # groups admitted with no use known here: their first use is no reuse
-        self._unanswered: dict[str, tuple[int, bool]] = {}  # session -> (group, whether its first request) of
-        #   its latest request stored before its answer was known (`answered`)
+        self._unanswered: dict[str, tuple[list[int], bool]] = {}  # session -> (groups, whether its first request)
+        #   of its latest request stored before its answer was known (`answered`)
         self._shared_class = SHARED_PREFIX
 
     @property
@@ -377,8 +377,12 @@ class BayesPolicy(EvictionPolicy):
         n = len(blocks)
         if not n:
             return []
-        first = ctx.session not in self._sessions  # its session's first request (or it names none)
-        cls = self._session_class(ctx, remember=True)
+        waiting = self._unanswered.get(ctx.session) if ctx.continues else None
+        if waiting is not None:  # more blocks of a request whose answer is awaited: its class, its groups
+            first, cls = waiting[1], self._gcls[waiting[0][0]]
+        else:
+            first = ctx.session not in self._sessions  # its session's first request (or it names none)
+            cls = self._session_class(ctx, remember=not ctx.continues)
         last, gtime, gcls, galive = self._last, self._gtime, self._gcls, self._galive
         reused, settle = self.model.reused, self._settle
         base, lastbin = self._base, self._lastbin
@@ -446,8 +450,8 @@ class BayesPolicy(EvictionPolicy):
         self._entered += new
         if not ctx.finish and ctx.output_tokens <= 0 and ctx.session:  # its answer may be told later
             own = start + 1 if lead else start
-            self._await_answer(ctx.session, own, first)
-            if self._size > self.capacity and first:
+            self._await_answer(ctx.session, own, first, waiting)
+            if self._size > self.capacity and first and waiting is None:
                 return self._evict_sparing(own, now)
         return self._evict(now) if self._size > self.capacity else []
 
@@ -471,24 +475,30 @@ class BayesPolicy(EvictionPolicy):
             evicted += self._evict(now)
         return evicted
 
-    def _await_answer(self, session: str, gid: int, first: bool) -> None:
-        """Remember group `gid` as `session`'s latest request, whose answer `answered` may tell."""
+    def _await_answer(self, session: str, gid: int, first: bool, more_of: tuple[list[int], bool] | None) -> None:
+        """Remember group `gid` as (more of, with `more_of`) `session`'s latest request, whose answer `answered`
+        may tell."""
+        if gid not in self._gblocks:  # it holds no blocks of its own (only a shared prefix, or repeats)
+            return
+        if more_of is not None:
+            more_of[0].append(gid)
+            return
         waiting = self._unanswered
         waiting.pop(session, None)  # re-entered last: the dict's order is the order of the requests
-        if gid in self._gblocks:  # it holds blocks of its own (not only a shared prefix, or repeats)
-            waiting[session] = (gid, first)
-            if len(waiting) > self._max_sessions:  # answers that never came: the older half is given up
-                for stale in list(waiting)[:len(waiting) // 2]:
-                    del waiting[stale]
+        waiting[session] = ([gid], first)
+        if len(waiting) > self._max_sessions:  # answers that never came: the older half is given up
+            for stale in list(waiting)[:len(waiting) // 2]:
+                del waiting[stale]
 
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
         """The answer to `session`'s latest request ended so, after its blocks were stored (vLLM's connector
         stores a request's blocks as the engine computes them, before the request finishes).
 
-        Its group moves to the class `access` would have given it had the answer been known: its class's
-        counts move with it and it joins the new class's queue in use order. Exact as long as none of its blocks
-        has been used again or let go since; otherwise it keeps the class it has (its counts are spread over
-        bins and groups by then). A session's shared prefix is classed by no answer."""
+        Its group moves to the class `access` would have given it had the answer been known (its groups, where
+        it was stored in parts: `RequestContext.continues`): its class's counts move with it and it joins the
+        new class's queue in the order groups entered. Exact as long as none of its blocks has been used again
+        or let go since; otherwise it keeps the class it has (its counts are spread over bins and groups by
+        then). A session's shared prefix is classed by no answer."""
         due = self._unanswered.pop(session, None)
         told = finish_index(finish, output_tokens)
         if due is None or not told and output_tokens <= 0:  # nothing waits, or nothing is told
@@ -496,14 +506,19 @@ class BayesPolicy(EvictionPolicy):
         seen = self._sessions.get(session)
         if seen is not None:
             self._sessions[session] = seen[:4] + (told,)
-        gid, first = due
+        groups, first = due
+        for gid in groups:
+            self._reclass(gid, told, answer_bucket(output_tokens) if first else 0)
+
+    def _reclass(self, gid: int, finish: int, answer: int) -> None:
+        """Move group `gid` to the class of its transition and session gap with `finish` and `answer`."""
         members = self._gblocks.get(gid)  # None once every block of it left (it is no longer queued)
         if self._galive[gid] != (len(members) if members is not None else 0) + self._gtaken[gid]:
             return  # a block of it was used again, discarded or forgotten since
         old = self._gcls[gid]
         rest, transition = divmod(old, _NT)
         session_gap = rest % SESSION_BUCKETS
-        new = class_of(transition, session_gap, told, answer_bucket(output_tokens) if first else 0)
+        new = class_of(transition, session_gap, finish, answer)
         if new == old:
             return
         alive, reached, groups = self._galive[gid], self.model.reached, self.model.groups
@@ -751,7 +766,8 @@ class BayesPolicy(EvictionPolicy):
         self._gblocks = {new[g]: members for g, members in gblocks.items() if new[g] >= 0}
         self._tails = {new[g]: new[t] for g, t in tails.items() if new[g] >= 0 and new[t] >= 0}
         self._arrived = {new[g] for g in self._arrived if new[g] >= 0}
-        self._unanswered = {s: (new[g], first) for s, (g, first) in self._unanswered.items() if new[g] >= 0}
+        self._unanswered = {s: (kept, first) for s, (gids, first) in self._unanswered.items()
+                            if (kept := [new[g] for g in gids if new[g] >= 0])}
         self._queues = [deque(new[g] for g in q if new[g] >= 0) for q in self._queues]
         self._active = {c for c, q in enumerate(self._queues) if q}
         self._crossed = [bisect_left(keep, g) for g in self._crossed]
@@ -776,7 +792,7 @@ class BayesPolicy(EvictionPolicy):
 
     def check_integrity(self) -> None:
         assert all(0 <= g < len(self._gtime) for g in self._arrived)
-        assert all(0 <= g < len(self._gtime) for g, _ in self._unanswered.values())
+        assert all(0 <= g < len(self._gtime) for gids, _ in self._unanswered.values() for g in gids)
         resident = [b for b, g in self._last.items() if g >= 0]
         assert len(resident) == self._size <= self.capacity, (len(resident), self._size, self.capacity)
         queued = {g for q in self._queues for g in q}

@@ -30,13 +30,14 @@ class BlockStore(Protocol):
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
-              session: str = "") -> None:
+              session: str = "", continues: bool = False) -> None:
         """After the request, all of its blocks: `payloads[j]` is block j's KV when this request computed it,
         else None (fetched, or held already);
         `pairs[j]` its (block type, transition) pair for the reuse predictor; `finish` (the API's
         finish reason) and `output_tokens` say how its answer ended and `session` whose request it
         was (the API's `user`, "" if none), which the eviction policy classes its blocks by
-        (`policies/bayes.py`: a session's pace)."""
+        (`policies/bayes.py`: a session's pace). `continues`: more blocks of the session's latest request,
+        stored in parts (vLLM's connector: a later prefill chunk, blocks its answer completed)."""
 
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
         """How the answer to `session`'s latest request ended, for a store that got its blocks before it was
@@ -88,12 +89,12 @@ class LocalBlockStore:
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
-              session: str = "") -> None:
+              session: str = "", continues: bool = False) -> None:
         if not keys:
             return
         with self._lock:
             self._requests += 1
-            ctx = served_context(self._requests, self._clock(), pairs, finish, output_tokens, session)
+            ctx = served_context(self._requests, self._clock(), pairs, finish, output_tokens, session, continues)
             self.tiered.commit(keys, payloads, ctx)
 
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
@@ -111,12 +112,13 @@ class LocalBlockStore:
 
 
 def served_context(index: int, now: float, pairs: Sequence[int] | None, finish: str = "",
-                   output_tokens: int = 0, session: str = "") -> RequestContext:
+                   output_tokens: int = 0, session: str = "", continues: bool = False) -> RequestContext:
     """What the policy knows of a served request: its blocks' types and its transition (from their pairs), how
     its answer ended, and whose it was (the API's `user`; without one the policy's session gap stays "first
     request")."""
     if not pairs:
-        return RequestContext(index=index, now=now, finish=finish, output_tokens=output_tokens, session=session)
+        return RequestContext(index=index, now=now, finish=finish, output_tokens=output_tokens, session=session,
+                              continues=continues)
     n = len(TransitionType)
     return RequestContext(index=index, now=now, block_types=tuple(p // n for p in pairs), transition=pairs[0] % n,
-                          finish=finish, output_tokens=output_tokens, session=session)
+                          finish=finish, output_tokens=output_tokens, session=session, continues=continues)

@@ -129,9 +129,10 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 8}], policy="bayes", async_saves=False)
     calls, store = [], shared.store.store
 
-    def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session=""):
-        calls.append((list(keys), [p is None for p in payloads], list(pairs or ()), session))
-        store(keys, payloads, pairs, finish, output_tokens, session)
+    def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session="", continues=False):
+        calls.append((list(keys), [p is None for p in payloads], list(pairs or ()), session)
+                     + ((True,) if continues else ()))
+        store(keys, payloads, pairs, finish, output_tokens, session, continues)
 
     shared.store.store = recorded
     answered, told = [], shared.store.answered
@@ -163,13 +164,18 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     # that step's save; a `length` finish names no class, and without the front's word a `stop` would not either
     assert answered == [("tenant/alice", "length", 6, 1)]
 
-    # an answer that completes a block: a save of its own in a later step, which names no session (two saves of
-    # one request seconds apart are not two requests of its session)
+    # an answer that completes a block: a save of its own in a later step, which continues the request (two saves
+    # of one request seconds apart are not two requests of its session): the policy gives it the first's class
     longer = vllm.SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, extra_args=params.extra_args)
     out = llm.generate([{"prompt_token_ids": PROMPT}], longer, use_tqdm=False)[0]
     fifth = KeySpace(model=FINGERPRINT).chain_token_ids(PROMPT + list(out.outputs[0].token_ids)[:40], BLOCK)[4]
-    assert calls[2:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice"), ([fifth], [False], [append], "")]
+    assert calls[2:] == [(KEYS, [True] * 4, [append] * 4, "tenant/alice"), ([fifth], [False], [append], "tenant/alice",
+                                                                         True)]
     assert shared.store.tiered.manager.sessions_known() == 1
+    policy = shared.store.tiered.hierarchy.policies[0]
+    fifth_id = shared.store.tiered.manager._ids[bytes(fifth)]
+    assert policy._gcls[policy._last[fifth_id]] == policy._gcls[policy._last[shared.store.tiered.manager._ids[
+        bytes(KEYS[0])]]]
     close(llm)
 
 

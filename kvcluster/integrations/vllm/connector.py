@@ -101,9 +101,10 @@ class RequestFacts:
     the prompt's end included; the blocks past it hold the answer). The engine gives no finish reason
     before the blocks are stored; `request_finished` tells it after (`answer_of`).
 
-    Only a request's first save names its session: the policy takes the time between two stores of a
-    session for the gap between two of its requests, and the saves of one request (the blocks its answer
-    completes, a prompt's later chunks) come seconds apart."""
+    A request's later saves (the blocks its answer completes, a prompt's later chunks) name its session as
+    `continues`: more of the same request, not a request of its own, whose gap from the first would pass for
+    the session's pace; the policy gives them the first save's class and moves them with it when the
+    answer is told."""
 
     session: str = ""
     transition: int = int(TransitionType.FIRST)
@@ -164,6 +165,7 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
     pairs: tuple[int, ...] = ()
     session: str = ""
+    continues: bool = False  # more blocks of the request an earlier save of it named the session of
 
 
 @dataclass
@@ -365,9 +367,9 @@ class KVClusterConnector(KVConnectorBase_V1):
             keys = self._chain(tracked, full)
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             lo = tracked.saved
-            session = "" if tracked.session_told else tracked.facts.session
+            facts = tracked.facts
             meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full]),
-                                            tracked.facts.pairs(lo, full), session))
+                                            facts.pairs(lo, full), facts.session, tracked.session_told))
             tracked.saved, tracked.session_told = full, True
         return meta
 
@@ -548,10 +550,11 @@ class KVClusterConnector(KVConnectorBase_V1):
                 for j, row in zip(todo, rows):
                     payloads[j] = row.numpy()
             args = (keys, payloads, list(save.pairs[:complete]) or None)
+            named = {"session": save.session, "continues": save.continues}
             if self._saver is None:  # the rows are reused by the next gather: stored first
-                self._store.store(*args, session=save.session)
+                self._store.store(*args, **named)
             else:
-                future = self._saver.submit(self._store.store, *args, session=save.session)
+                future = self._saver.submit(self._store.store, *args, **named)
                 future.add_done_callback(_report)
                 self._shared.saving.append(future)
             self._shared.saved_blocks += len(todo)
