@@ -195,6 +195,34 @@ def test_roles_that_do_not_describe_the_prompt_leave_it_history(spans) -> None:
         assert types == (BlockType.HISTORY,) * 5
 
 
+def test_of_two_requests_of_one_session_running_together_only_the_latest_tells_its_answer(model_dir, reference,
+                                                                                          tmp_path) -> None:
+    """The policy takes a session's answer for its latest request's: an earlier one still running when the
+    latest saved (parallel agents under one user) must not re-class the latest's blocks with its own answer."""
+    from kvcluster.integrations.vllm.connector import SESSION_PARAM
+
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 16}], policy="bayes", async_saves=False)
+    calls, answered, store, told = [], [], shared.store.store, shared.store.answered
+
+    def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session="", continues=False):
+        calls.append((len(keys), session, continues))
+        store(keys, payloads, pairs, finish, output_tokens, session, continues)
+
+    def recorded_answer(session, finish, output_tokens):
+        answered.append((session, finish, output_tokens))
+        told(session, finish, output_tokens)
+
+    shared.store.store, shared.store.answered = recorded, recorded_answer
+    other = [random.Random(8).randrange(3, 32000) for _ in range(2 * BLOCK + 5)]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0,
+                                 extra_args={"kv_transfer_params": {SESSION_PARAM: "tenant/bob"}})
+    llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": other}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [5] * 20}], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # a step more
+    assert sorted(calls) == [(2, "tenant/bob", False), (4, "tenant/bob", False)]
+    assert answered == [("tenant/bob", "length", 6)]
+    close(llm)
+
+
 def test_a_finished_requests_answer_is_passed_on_as_the_front_vouches_for_it() -> None:
     """A `stop` may be a tool call that vLLM's OpenAI layer parses later: it ends the turn only when the request
     says so (kvcluster's front calls no tools); an aborted or failed request tells nothing."""

@@ -260,6 +260,8 @@ class KVClusterConnector(KVConnectorBase_V1):
         self._loads: dict[str, BlockTransfer] = {}  # loads for the next step's metadata
         self._issued: dict[str, BlockTransfer] = {}  # loads handed out whose outcome is not known yet
         self._answers: list[tuple[str, str, int]] = []  # finished requests' answers, for the next step's workers
+        self._latest: dict[str, str] = {}  # session -> the request whose first save named it last: the policy
+        #   takes a session's later parts and answer for its latest request's, so only that one's are sent
         # worker side
         self._async_loads, self._async_saves = config.async_loads, config.async_saves
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcluster-load") if self._async_loads else None
@@ -368,8 +370,13 @@ class KVClusterConnector(KVConnectorBase_V1):
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             lo = tracked.saved
             facts = tracked.facts
+            session, continues = facts.session, tracked.session_told
+            if not continues and session:
+                self._latest[session] = req_id
+            elif continues and self._latest.get(session) != req_id:  # a newer request of its session saved since
+                session, continues = "", False
             meta.saves.append(BlockTransfer(req_id, tuple(keys[lo:full]), tuple(block_ids[lo:full]),
-                                            facts.pairs(lo, full), facts.session, tracked.session_told))
+                                            facts.pairs(lo, full), session, continues))
             tracked.saved, tracked.session_told = full, True
         return meta
 
@@ -404,14 +411,18 @@ class KVClusterConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saved blocks leave the paged KV by the end of each step (copied out, stored now or in the
-        background), so vLLM may free the blocks now. A request that named its session and saved blocks has
+        background), so vLLM may free the blocks now. The latest request of its session to save blocks has
         its answer told to the workers' stores with the next step (`answer_of`): the engine stored its
-        blocks before it knew how the answer would end."""
+        blocks before it knew how the answer would end. An earlier request of the session, still running when
+        a newer one saved (parallel agents under one user), tells nothing: the policy would take its answer
+        for the newer one's."""
         tracked = self._tracked.pop(request.request_id, None)
-        if tracked is not None and tracked.session_told and tracked.facts is not None and tracked.facts.session:
+        session = tracked.facts.session if tracked is not None and tracked.facts is not None else ""
+        if session and self._latest.get(session) == request.request_id:
+            del self._latest[session]
             answer = answer_of(request)
             if answer is not None:
-                self._answers.append((tracked.facts.session, *answer))
+                self._answers.append((session, *answer))
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         self._issued.pop(request.request_id, None)
