@@ -13,6 +13,19 @@ the same replay as the policies (prefix-token hit rate, one tier):
   that used it last, and the group whose session comes back last gives up its
   blocks first, deepest first. What a perfect session-level "when" is worth to
   any policy, with no learning and no horizon in between.
+- `oracle-pace`: the same, ranked by each session's pace instead of its next
+  request: the mean time between the requests it has left (none: it goes
+  first), not when the next of them comes. Where a session's requests arrive
+  at random (a Poisson process at the session's own rate) the pace is the most
+  any predictor can know of when it returns, so this is about the most an
+  online policy could close there, given perfect foresight of how much more
+  each conversation has to say and how fast.
+- `fitted-online`: `bayes` with richer classes of what is known online (a
+  session's first request: its prompt's and its answer's lengths; a later one:
+  its turn, its session's pace so far and how its answer ended), each class's
+  hazard a cure-rate exponential (P(the session comes back) x an exponential
+  wait) fitted on the whole trace in advance. Not a policy (it learns from the
+  future) but a generous bound for any learner of those features.
 
 If `oracle-next` closes far more than `bayes`, knowing when a session returns is
 what is missing; if even it stays low, the trace's reuse cannot be told apart
@@ -27,14 +40,16 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import sys
 from collections import deque
 from typing import Sequence
 
+import numpy as np
 from hit_rate import traces
 
 from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
-from kvcluster.policies.bayes import BayesPolicy, _NT
+from kvcluster.policies.bayes import BayesPolicy, _NT, answer_bucket, finish_index, session_bucket
 from kvcluster.policies.lru import LRUPolicy
 from kvcluster.policies.registry import POLICIES, register
 from kvcluster.reuse_gap import GapModel
@@ -65,6 +80,23 @@ class OracleWhether(LRUPolicy):
         while len(order) > self.capacity:
             evicted.append(order.popitem(last=False)[0])
         return evicted
+
+
+def session_paces(trace: PreparedTrace) -> list[float | None]:
+    """Per request, the mean seconds between its session's later requests: (time of the session's last
+    request - this one's) / how many come after it (None: the session ends here)."""
+    out: list[float | None] = [None] * trace.requests
+    last_at: dict[str, float] = {}
+    after: dict[str, int] = {}
+    for i in range(trace.requests - 1, -1, -1):
+        session = trace.sessions[i]
+        n = after.get(session, 0)
+        if n:
+            out[i] = (last_at[session] - trace.arrivals[i]) / n
+        else:
+            last_at[session] = trace.arrivals[i]
+        after[session] = n + 1
+    return out
 
 
 def next_session_gaps(trace: PreparedTrace) -> list[float | None]:
@@ -176,6 +208,109 @@ class OracleNext(EvictionPolicy):
             assert block in self._groups[gid], f"resident block {block} is not in its group"
 
 
+class OraclePace(OracleNext):
+    """`oracle-next` ranked by the session's pace: the group whose session has the longest mean time between
+    its remaining requests goes first (a session that ends, first of all), the newest first among equals.
+    Arrivals at random keep no memory of how long a session has been away, so the rank does not change
+    with age."""
+
+    name = "oracle-pace"
+    paces: list[float | None] = []  # set per trace by `main`
+
+    def access(self, blocks: Sequence[int], ctx: RequestContext) -> list[int]:
+        pace = self.paces[ctx.index]
+        return self._group(blocks, float("inf") if pace is None else pace)
+
+
+def session_gap_stats(trace: PreparedTrace, min_requests: int = 6) -> dict:
+    """How much a session's gaps between requests say of its next one: over sessions of `min_requests` or more,
+    the median coefficient of variation of their gaps (1 for waits drawn at random at a steady rate, 0 for a
+    fixed pace), and over every gap after a session's second, the correlation of its log with the mean log of
+    the session's gaps before it (what an online policy can know of it)."""
+    times: dict[str, list[float]] = {}
+    for session, now in zip(trace.sessions, trace.arrivals):
+        times.setdefault(session, []).append(now)
+    cvs, known, next_log = [], [], []
+    for arrivals in times.values():
+        gaps = np.diff(arrivals)
+        if len(arrivals) >= min_requests and gaps.mean() > 0:
+            cvs.append(float(gaps.std() / gaps.mean()))
+        logs = np.log(np.maximum(gaps, 0.1))
+        for k in range(1, len(logs)):
+            known.append(float(logs[:k].mean()))
+            next_log.append(float(logs[k]))
+    corr = float(np.corrcoef(known, next_log)[0, 1]) if len(known) > 2 and np.std(known) > 0 else None
+    return {"sessions": len(cvs), "median_cv": float(np.median(cvs)) if cvs else None,
+            "gaps": len(known), "corr_known_next": corr}
+
+
+def online_classes(trace: PreparedTrace) -> list[int]:
+    """Per request, a class of what an online policy knows when it is served: a session's first request by its
+    prompt's length (< 1,024, < 4,096, < 16,384 tokens, longer) and its answer's (`answer_bucket`); a later one
+    by its turn (2nd, 3rd-4th, 5th-8th, later), its session's pace so far (`session_bucket` of the geometric
+    mean of its gaps) and how its answer ended (`finish_index`)."""
+    out = []
+    sessions: dict[str, tuple[float, float, int, int]] = {}  # session -> (last time, summed log gaps, gaps, turns)
+    for i in range(trace.requests):
+        session, now = trace.sessions[i], trace.arrivals[i]
+        tokens = trace.output_tokens[i] if trace.output_tokens else 0
+        seen = sessions.get(session)
+        if seen is None:
+            prompt = trace.input_tokens[i]
+            size = 0 if prompt < 1024 else 1 if prompt < 4096 else 2 if prompt < 16384 else 3
+            out.append(size * 4 + answer_bucket(tokens))
+            sessions[session] = (now, 0.0, 0, 1)
+            continue
+        last, log_sum, gaps, turns = seen
+        log_sum, gaps = log_sum + math.log(max(now - last, 0.25)), gaps + 1
+        turn = 0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else 3
+        pace = session_bucket(math.exp(log_sum / gaps)) - 1
+        finish = finish_index(trace.finishes[i] if trace.finishes else "", tokens)
+        out.append(16 + (turn * 3 + pace) * 4 + finish)
+        sessions[session] = (now, log_sum, gaps, turns + 1)
+    return out
+
+
+def fitted_cure_rates(classes: list[int], gaps: list[float | None]) -> dict[int, tuple[float, float]]:
+    """Per class: (share of its requests whose session comes back, 1 / the mean wait of those that do)."""
+    count: dict[int, list[float]] = {}
+    for cls, gap in zip(classes, gaps):
+        n = count.setdefault(cls, [0, 0, 0.0])
+        n[0] += 1
+        if gap is not None:
+            n[1] += 1
+            n[2] += gap
+    return {c: (back / n, back / waited if waited > 0 else 1.0) for c, (n, back, waited) in count.items()}
+
+
+class FittedOnline(BayesPolicy):
+    """`bayes` with `online_classes`, each class's density its cure-rate hazard at the age bin's middle:
+    P(back) e^(-rate age) rate / (P(back) e^(-rate age) + 1 - P(back)). A shared prefix keeps what `bayes`
+    learns of it."""
+
+    name = "fitted-online"
+    offline = True
+    classes: list[int] = []  # set per trace by `main`
+    rates: dict[int, tuple[float, float]] = {}
+
+    def _session_class(self, ctx: RequestContext, remember: bool) -> int:
+        super()._session_class(ctx, remember)  # keeps the sessions `bayes` tracks
+        return self.classes[ctx.index]
+
+    def _refresh(self) -> None:
+        super()._refresh()
+        edges, last = self._edges, self._lastbin
+        middles = [(edges[k] + edges[k + 1]) / 2 for k in range(last)] + [1.5 * edges[last]]
+        dens = list(self._dens)
+        for cls, (back, rate) in self.rates.items():
+            row = []
+            for age in middles:
+                waiting = back * math.exp(-rate * age)
+                row.append(waiting * rate / max(waiting + 1.0 - back, 1e-300))
+            dens[cls] = row
+        self._dens = dens
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
@@ -183,36 +318,50 @@ def main() -> int:
     parser.add_argument("--horizon-factor", type=float, default=None,
                         help="horizon of `bayes` and `oracle-when` (default: `bayes`'s own)")
     args = parser.parse_args()
-    learnt = {"bayes", "oracle-when"}
+    learnt = {"bayes", "oracle-when", "fitted-online"}
     options = {} if args.horizon_factor is None else {"horizon_factor": args.horizon_factor}
-    for oracle in (OracleWhether, OracleWhen, OracleNext):
+    for oracle in (OracleWhether, OracleWhen, OracleNext, OraclePace, FittedOnline):
         if oracle.name not in POLICIES:
             register(oracle)
-    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "belady")
-    rows = []
+    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "oracle-pace", "fitted-online",
+                "belady")
+    rows, stats = [], {}
     for label, path, kwargs in traces(args.sharegpt_records):
         prepared = prepare(load_trace(path, **kwargs))
+        stats[label] = session_gap_stats(prepared)
         OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)
+        OraclePace.paces = session_paces(prepared)
+        FittedOnline.classes = online_classes(prepared)
+        FittedOnline.rates = fitted_cure_rates(FittedOnline.classes, OracleWhen.gaps)
         for frac in FRACTIONS:
             cap = max(1, round(frac * prepared.unique_blocks))
             rates = {p: replay(prepared, p, [TierPlan("hbm", cap)],
                                policy_options=options if p in learnt else None).hit_rate for p in policies}
             gap = rates["belady"] - rates["lru"]
-            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:5]}
+            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:7]}
             rows.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
-                         "gap_closed": closed})
+                         "gap_closed": closed, "session_gaps": stats[label]})
             if not args.json:
                 cells = " | ".join(f"{rates[p]:.4f}" for p in policies)
                 shown = " | ".join("n/a" if c is None else f"{c:.0%}" for c in closed.values())
                 print(f"| {label} | {frac:.0%} | {cap:,} | {cells} | {shown} |", flush=True)
     if args.json:
         print(json.dumps(rows))
+        return 0
+    print("\n| trace | sessions of 6+ requests | median CV of their gaps | gaps after a 2nd | "
+          "corr(mean log gap so far, log next gap) |")
+    print("|---|---|---|---|---|")
+    for label, st in stats.items():
+        cv = "n/a" if st["median_cv"] is None else f"{st['median_cv']:.2f}"
+        corr = "n/a" if st["corr_known_next"] is None else f"{st['corr_known_next']:.2f}"
+        print(f"| {label} | {st['sessions']:,} | {cv} | {st['gaps']:,} | {corr} |")
     return 0
 
 
 if __name__ == "__main__":
     if "--json" not in sys.argv:
-        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | belady "
-              "| gap closed: bayes | oracle-whether | oracle-when | oracle-next |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
+              "| fitted-online | belady | gap closed: bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
+              "| fitted-online |")
+        print("|---" * 17 + "|")
     sys.exit(main())

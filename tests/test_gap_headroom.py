@@ -1,7 +1,9 @@
-"""benchmarks/gap_headroom.py's `oracle-next`: Belady over request groups, from each session's next request."""
+"""benchmarks/gap_headroom.py's oracles: `oracle-next` (Belady over request groups, from each session's next
+request), `oracle-pace` (the same from each session's pace) and `oracle-when`."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from gap_headroom import OracleNext, OracleWhen, next_session_gaps  # noqa: E402
+from gap_headroom import (FittedOnline, OracleNext, OraclePace, OracleWhen, fitted_cure_rates,  # noqa: E402
+                          next_session_gaps, online_classes, session_gap_stats, session_paces)
 
 from kvcluster.policies.base import RequestContext  # noqa: E402
 from kvcluster.policies.registry import POLICIES, register  # noqa: E402
@@ -46,6 +49,58 @@ def test_the_group_whose_session_returns_last_goes_first_deepest_block_first():
     assert oracle.access((3, 4, 7), ctx[3]) == [5]  # then the rest of c
     assert sorted(oracle.resident()) == [1, 2, 3, 4, 7]
     oracle.check_integrity()
+
+
+def test_session_paces_are_the_mean_time_between_the_sessions_later_requests():
+    assert session_paces(CONVERSATIONS) == [10.0, 5.5, None, 9.0, None, None]
+
+
+# x comes back at once, then only after a long while; y once, in between.
+PACES = _trace([(0.0, "x", (1, 2)), (0.5, "y", (3, 4)), (1.0, "x", (1, 2, 5)), (20.0, "y", (3, 4, 6)),
+                (100.0, "x", (1, 2, 5, 7))])
+
+
+def test_the_next_request_keeps_what_the_pace_lets_go():
+    OracleNext.gaps = next_session_gaps(PACES)
+    OraclePace.paces = session_paces(PACES)
+    assert OraclePace.paces == [50.0, 19.5, 99.0, None, None]
+    ctx = [RequestContext(index=i, now=PACES.arrivals[i]) for i in range(PACES.requests)]
+    by_next, by_pace = OracleNext(3), OraclePace(3)
+    for oracle in (by_next, by_pace):
+        assert oracle.access((1, 2), ctx[0]) == []
+    assert by_next.access((3, 4), ctx[1]) == [4]  # x is back at 1 s, y only at 20 s
+    assert by_pace.access((3, 4), ctx[1]) == [2]  # but y's pace (19.5 s) is faster than x's (50 s)
+    for oracle in (by_next, by_pace):
+        oracle.check_integrity()
+
+
+def test_session_gap_stats_measure_how_random_a_sessions_waits_are():
+    stats = session_gap_stats(CONVERSATIONS, min_requests=3)  # only b has 3 requests: gaps of 2 and 9 s
+    assert stats["sessions"] == 1 and stats["median_cv"] == pytest.approx(3.5 / 5.5)
+    assert stats["gaps"] == 1 and stats["corr_known_next"] is None  # one pair: no correlation to speak of
+    steady = _trace([(float(t), "s", (1,)) for t in (0, 10, 20, 30, 40, 50)])
+    assert session_gap_stats(steady)["median_cv"] == 0.0
+
+
+def test_online_classes_hold_a_first_requests_lengths_and_a_later_ones_turn_and_pace():
+    trace = dataclasses.replace(CONVERSATIONS, input_tokens=(100, 2000, 20000, 50, 50, 50),
+                                output_tokens=(10, 100, 0, 300, 5, 5))
+    # a: first, < 1,024 prompt tokens, answer < 32; b: 1,024-4,095, < 256; c: >= 16,384, unknown answer;
+    # b's 2nd turn after 2 s (pace < 8 s); a's 2nd after 10 s (< 64 s); b's 3rd, gaps 2 and 9 s (mean 4.2 s)
+    assert online_classes(trace) == [1, 6, 12, 16, 20, 16 + 3 * 4]
+    rates = fitted_cure_rates([0, 0, 1, 0], [10.0, None, None, 30.0])
+    assert rates == {0: (2 / 3, 2 / 40.0), 1: (0.0, 1.0)}
+
+
+def test_fitted_online_ranks_by_its_cure_rate_hazards():
+    FittedOnline.classes = [0, 1, 0, 1, 0, 1]
+    FittedOnline.rates = {0: (1.0, 0.5), 1: (0.0, 1.0)}  # class 0 always back, class 1 never
+    policy = FittedOnline(5, refresh_requests=1)
+    for i, blocks in enumerate(CONVERSATIONS.blocks[:3]):
+        policy.access(blocks, RequestContext(index=i, now=CONVERSATIONS.arrivals[i], session=CONVERSATIONS.sessions[i]))
+    assert policy._dens[0][0] == pytest.approx(0.5) and policy._dens[1] == [0.0] * len(policy._dens[1])
+    assert sorted(policy.resident()) == [1, 2, 3, 5, 6]  # b's class never comes back: its deepest block went
+    policy.check_integrity()
 
 
 @pytest.fixture
