@@ -1,6 +1,6 @@
-"""How much of the LRU->Belady gap knowing *whether* or *when* could close, on every shared trace.
+"""How much of the LRU->Belady gap knowing *whether*, *when* or *how fast* could close, on every shared trace.
 
-Two offline oracles bound what a better predictor could buy, each measured with
+Offline oracles bound what a better predictor could buy, each measured with
 the same replay as the policies (prefix-token hit rate, one tier):
 
 - `oracle-whether`: LRU that knows which blocks are never used again and evicts
@@ -25,12 +25,18 @@ the same replay as the policies (prefix-token hit rate, one tier):
   its turn, its session's pace so far and how its answer ended), each class's
   hazard a cure-rate exponential (P(the session comes back) x an exponential
   wait) fitted on the whole trace in advance. Not a policy (it learns from the
-  future) but a generous bound for any learner of those features.
+  future) but a generous bound for any learner of those features where a
+  session's waits are memoryless; where they are not, the exponential fits
+  badly and it bounds nothing.
 
 If `oracle-next` closes far more than `bayes`, knowing when a session returns is
 what is missing; if even it stays low, the trace's reuse cannot be told apart
 ahead of time at session granularity. Where `oracle-when` falls short of
 `oracle-next`, the hazard machinery (bins, horizon) loses what the classes know.
+If `oracle-pace` too stays short of a goal, no online policy can reach it at
+session granularity. A second table says how random each trace's waits are:
+the median coefficient of variation of the gaps of sessions with six or more
+requests, and how well the mean log of a session's gaps so far predicts its next.
 
     .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000]
 """
