@@ -239,7 +239,7 @@ def session_gap_stats(trace: PreparedTrace, min_requests: int = 6) -> dict:
     cvs, known, next_log = [], [], []
     for arrivals in times.values():
         gaps = np.diff(arrivals)
-        if len(arrivals) >= min_requests and gaps.mean() > 0:
+        if len(arrivals) >= max(min_requests, 2) and gaps.mean() > 0:
             cvs.append(float(gaps.std() / gaps.mean()))
         logs = np.log(np.maximum(gaps, 0.1))
         for k in range(1, len(logs)):
@@ -322,8 +322,15 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--sharegpt-records", type=int, default=1000)
     parser.add_argument("--horizon-factor", type=float, default=None,
-                        help="horizon of `bayes` and `oracle-when` (default: `bayes`'s own)")
+                        help="horizon of `bayes`, `oracle-when` and `fitted-online` (default: `bayes`'s own)")
     args = parser.parse_args()
+    if args.horizon_factor is not None and not args.horizon_factor > 0:
+        parser.error(f"--horizon-factor must be > 0, got {args.horizon_factor}")
+    if not args.json:
+        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
+              "| fitted-online | belady | gap closed: bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
+              "| fitted-online |")
+        print("|---" * 17 + "|")
     learnt = {"bayes", "oracle-when", "fitted-online"}
     options = {} if args.horizon_factor is None else {"horizon_factor": args.horizon_factor}
     for oracle in (OracleWhether, OracleWhen, OracleNext, OraclePace, FittedOnline):
@@ -365,9 +372,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if "--json" not in sys.argv:
-        print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
-              "| fitted-online | belady | gap closed: bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
-              "| fitted-online |")
-        print("|---" * 17 + "|")
     sys.exit(main())

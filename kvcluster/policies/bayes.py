@@ -531,10 +531,10 @@ class BayesPolicy(EvictionPolicy):
         if members is None:
             return
         queue = self._queues[old]
-        if queue[-1] == gid:
-            queue.pop()
-        else:
-            queue.remove(gid)
+        at = len(queue) - 1  # it was stored lately: look for it from the newest end, not through the class
+        while queue[at] != gid:
+            at -= 1
+        del queue[at]
         if not queue:
             self._active.discard(old)
         queue = self._queues[new]  # in the order the groups entered (their numbers)
