@@ -88,7 +88,7 @@ def ref_files(directory: Path, blocks: list[np.ndarray]):
     return put, get
 
 
-def ref_nixl(client: RDMABackend, source: torch.Tensor, landing: torch.Tensor, first_slot: int):
+def ref_nixl(client: RDMABackend, pool: NixlPeerPool, source: torch.Tensor, landing: torch.Tensor, first_slot: int):
     """Raw NIXL transfers of the same bytes between the same two agents and memory as the backend's.
 
     The client's agent moves `source`'s rows to the pool's slots `first_slot...` (WRITE) and
@@ -98,7 +98,7 @@ def ref_nixl(client: RDMABackend, source: torch.Tensor, landing: torch.Tensor, f
     up to 2x between runs when the reference had slots of its own. It writes the very bytes
     the blocks hold, so they stay valid (checked after the run).
     """
-    agent, peer, base = client.agent, client.peer_name, client._remote_base
+    agent, peer, base = client.agent, client.peer_name, pool.pool.data_ptr()  # the slab the pool lent the client
     rows, row_bytes = source.shape[0], source.shape[1]
     remote = agent.get_xfer_descs([(base + (first_slot + i) * row_bytes, row_bytes, 0) for i in range(rows)], "DRAM")
 
@@ -136,10 +136,11 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     sub.mkdir(parents=True, exist_ok=True)
     gc.collect()  # one case alive at a time: the last one's threads, NIXL agents and buffers are gone
     if name.startswith("rdma"):
-        backend = RDMABackend(NixlPeerPool(n, BLOCK), nbytes, n)
+        pool = NixlPeerPool(n, BLOCK)
+        backend = RDMABackend(pool, nbytes, n)
         backend.register(source)  # payloads and landing buffers in registered memory: no staging copy
         backend.register(landing)
-        ref_put, ref_get = ref_nixl(backend, source, landing, first_slot=0)  # the backend's own slots
+        ref_put, ref_get = ref_nixl(backend, pool, source, landing, first_slot=0)  # the backend's own slots
         if name == "rdma-staged":  # the same bytes from and into plain memory: through the staging buffer
             blocks, out = [aligned_empty(BLOCK) for _ in range(n)], [aligned_empty(BLOCK) for _ in range(n)]
             for b, row in zip(blocks, source.numpy()):
