@@ -1,9 +1,9 @@
 """Hit rate over 1, 8 and 64 nodes, with the pooled tier shared and with all capacity split per node.
 
 5% of each trace's unique blocks in all: 1% node-local (split over the nodes,
-running the policy) and 4% pooled (one pool shared by all nodes, running the
-policy over the uses of every node); `pooled: false` splits the same 5% per node
-as two node-local tiers. `vs_1_node` is each hit rate over the same machinery's
+running the policy) and 4% pooled (one written-through pool shared by all nodes,
+running the policy over the uses of every node); `pooled: false` splits the same
+5% per node as two node-local tiers. `vs_1_node` is each hit rate over the same machinery's
 1-node figure in the same run. The same-run reference is the simulator's one-node
 two-tier replay of the same plan (`kvcluster.simulator.replay`), under
 `reference`. Goal: pooled `bayes` at 8 and 64 nodes at >= 0.95x its 1-node hit

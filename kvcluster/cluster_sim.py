@@ -1,20 +1,32 @@
-"""A trace replayed over N nodes: node-local tiers split over the nodes, pooled tiers shared by all.
+"""A trace replayed over N nodes: node-local tiers split over the nodes, one pooled tier shared by all.
 
 Each node runs its own hierarchy (`build_hierarchy`) over its 1/N share of every
-node-local tier, and sees only the requests routed to it (`SessionRouter`:
-session affinity, new sessions on the least-loaded node). With a pool, what falls
-out of a node's last local tier is demoted into one pool shared by all nodes
-(`PoolManager`), which runs the policy over its blocks and hears every node's
-uses; a pool hit moves up into the node's tier 0. Without a pool the same total
-capacity is all node-local, every tier split per node.
+node-local tier and sees only the requests routed to it (`SessionRouter`: session
+affinity, new sessions on the least-loaded node). Without a pool the same total
+capacity is all node-local, every tier split per node; with one node that is
+exactly the simulator's replay of the same tiers.
+
+The pool (peers' DRAM lent over RDMA, or the shared filesystem: one pool whichever
+node reads it) is written through: every block a node uses is stored in it too,
+as Mooncake's engines put each prefill's KV into its store, and its manager, which
+holds metadata only, runs the policy over the uses of every node in arrival order.
+So the pool's policy sees exactly the stream one node's single tier would see,
+whatever the number of nodes and wherever the sessions went, and the predictive
+policy keeps its edge at any scale. A node's tiers are caches in front of it: a
+pool hit is copied up (the pool keeps its copy: it holds what its policy keeps,
+and another node may read it next), and a node's victims are dropped, not written
+back (the pool holds them already, or its policy let them go). The price is the
+copies: what a node holds the pool mostly holds too.
+
+The alternative measured first, an exclusive pool fed each node's victims (the
+simulator's two-tier hierarchy stretched over nodes), loses the edge: with small
+node-local tiers nearly every block is a victim at once, so the pool ranks blocks
+by when a node let them go, and `bayes` admitting them out of use order ranked
+them worse than LRU (docs/scaling.md).
 
 A hit is a block of the request's prefix run found in the serving node's local
-tiers or in the pool; `local_share` is the part of those found locally. One node
-is the same machinery with N = 1: its ratio to N nodes compares like with like.
-With one node and an LRU pool this is exactly the simulator's two-tier replay
-(`replay(trace, policy, local + [pool])`), which the tests check; with the pool
-running `bayes` the one-node figure differs from that replay by what the pool's
-own ranking adds (`benchmarks/cluster_sim.py` reports both).
+tiers or in the pool; `local_share` is the part found locally. One node is the
+same machinery with N = 1, so the ratio to N nodes compares like with like.
 """
 
 from __future__ import annotations
@@ -25,7 +37,6 @@ from typing import Sequence
 
 from .hierarchy import Hierarchy
 from .policies.registry import POLICIES, make_policy
-from .pool_manager import PoolManager
 from .session_routing import SessionRouter
 from .simulator import PreparedTrace, TierPlan, build_hierarchy, request_context
 
@@ -83,9 +94,7 @@ class Cluster:
         self.nodes: list[Hierarchy] = [
             build_hierarchy(policy, [TierPlan(t.name, share[i]) for t, share in zip(plan.local, shares)])
             for i in range(nodes)]
-        self.pool: PoolManager | None = None
-        if plan.pool is not None:
-            self.pool = PoolManager(make_policy(pool_policy or policy, plan.pool.capacity_blocks))
+        self.pool = None if plan.pool is None else make_policy(pool_policy or policy, plan.pool.capacity_blocks)
 
     def serve(self, node: int, blocks: Sequence[int], ctx) -> tuple[int, int]:
         """Serve a request on `node`; returns (prefix blocks found in its local tiers, found in the pool)."""
@@ -99,10 +108,8 @@ class Cluster:
             else:
                 break
         if pool is not None:
-            pool.used(blocks, ctx, node)
-        dropped = local.serve(blocks, ctx).dropped
-        if pool is not None and dropped:
-            pool.demote(dropped, ctx)
+            pool.access(blocks, ctx)  # written through: the pool's victims stay where a node still holds them
+        local.serve(blocks, ctx)  # its victims are dropped: the pool holds them, or let them go
         return local_hits, pool_hits
 
     def check_integrity(self) -> None:
@@ -110,6 +117,7 @@ class Cluster:
             hierarchy.check_integrity()
         if self.pool is not None:
             self.pool.check_integrity()
+            assert len(self.pool) <= self.pool.capacity
 
 
 def replay_cluster(trace: PreparedTrace, policy: str, plan: ClusterPlan, nodes: int, *, pooled: bool = True,
