@@ -9,6 +9,7 @@ import tempfile
 MODEL = "kvcluster-tiny-llama"
 SECURE_MODEL = "kvcluster-tiny-sliding"
 API_KEY = "sk-test-tenant-a"
+OTHER_API_KEY = "sk-test-tenant-b"  # a second tenant of the authenticated app
 METRICS: dict = {}
 INFLIGHT_LIMIT = 8  # the default app sheds load past this many generation requests (tests saturate it)
 DOC = "Ray Serve routes each request to a replica that already holds its prefix. " * 12
@@ -45,7 +46,8 @@ def start_endpoint():
     serve.run(build_app({"model": MODEL, "cluster": cluster, "replica_cpus": 0.5, "max_tokens_limit": 512,
                          "hbm_blocks": 48, "max_inflight_requests": INFLIGHT_LIMIT}),
               name="default", route_prefix="/")
-    serve.run(build_app({"model": SECURE_MODEL, "cluster": None, "replica_cpus": 0.5, "api_keys": [API_KEY]}),
+    serve.run(build_app({"model": SECURE_MODEL, "cluster": None, "replica_cpus": 0.5,
+                         "api_keys": [API_KEY, OTHER_API_KEY]}),
               name="secure", route_prefix="/secure")
     try:
         yield f"http://127.0.0.1:{port}"
