@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         result = cluster.up(cfg)
         text = f"started {len(result['tiers'])} tier actors ({', '.join(result['tiers'])}); " \
-               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and control plane " \
+               f"blocks of {_human_bytes(result['block_bytes'])}; index, predictor and one controller per node " \
                f"({result['policy']}) running"
     elif args.action == "down":
         result = {"killed": cluster.down(cfg)}
@@ -46,10 +46,13 @@ def run(args: argparse.Namespace) -> int:
         rows = [[r["node"], r["tier"], r["state"], str(r.get("used_blocks", "-")), str(r.get("capacity_blocks", "-"))]
                 for r in result["tiers"]]
         text = _table(rows, ["node", "tier", "state", "blocks", "capacity"])
-        for control in result.get("control") or ():
-            text += f"\ncontrol plane shard {control['shard']} of {control['shards']}: policy {control['policy']}, " \
-                    f"{control['requests']} requests placed, " + \
-                ", ".join(f"{k} {v}" for k, v in sorted(control["totals"].items()))
+        for node, control in (result.get("control") or {}).items():
+            if not isinstance(control, dict):
+                text += f"\ncontroller of {node}: {control or 'absent'}"
+                continue
+            text += f"\ncontroller of {node}: policy {control['policy']}, {control['stores']} stores placed, " \
+                    f"{control['written']} blocks written, {control['refused']} refused, " \
+                    f"{control['in_flight']} in flight"
     print(json.dumps(result) if args.json else text)
     return 0
 
@@ -66,8 +69,8 @@ def _purge_only(cfg, as_json: bool) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     cl = _subparser(sub, "cluster", "start, inspect or stop the cache actors on a running Ray cluster",
                     "The cache actors of a cluster YAML on a running Ray cluster (it does not start Ray):\n"
-                    "  up      start (or find) the index, predictor, tier actors and control plane; idempotent\n"
-                    "  status  blocks held and capacity per node and tier, and the control plane's totals\n"
+                    "  up      start (or find) the index, predictor, tier actors and node controllers; idempotent\n"
+                    "  status  blocks held and capacity per node and tier, and each node controller's totals\n"
                     "  down    stop them (the predictor checkpoints first; nvme and pfs files stay,\n"
                     "          --purge removes them and the predictor checkpoint)",
                     "ray start --head && kvcluster cluster up local\n"

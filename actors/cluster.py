@@ -8,15 +8,15 @@ import ray
 
 from kvcluster.cluster_config import ClusterConfig, NodeEntry
 from kvcluster.cluster_control import node_chains
-from kvcluster.sharded_hierarchy import shard_capacities
 from kvcluster.errors import ConfigError, KvclusterError
 from kvcluster.tiers import TIER_ORDER
+
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .deploy import start_global_actors, start_tier_actor
 from .index_actor import NAMESPACE, shard_name
 from .index_client import IndexClient
-from .control_client import ControlClient
-from .control_plane_actor import CONTROL_NAME, ControlPlaneActor, control_name
+from .node_control_actor import NodeControlActor, control_name
 from .predictor_actor import PREDICTOR_NAME
 from .tier_actor import TierActorConfig, actor_name
 
@@ -65,10 +65,10 @@ def node_ids(cfg: ClusterConfig) -> dict[str, str]:
 
 
 def up(cfg: ClusterConfig) -> dict:
-    """Start (or find) the index, predictor, every tier actor and the control plane; idempotent.
+    """Start (or find) the index, predictor, every tier actor and each node's controller; idempotent.
 
-    The control plane actor places every block with `cfg.policy` (one hierarchy per node), so a
-    tier only ever receives writes it has room for."""
+    Each node's controller (on that node) places its blocks with `cfg.policy` over its own tiers, so a tier
+    only ever receives writes it has room for."""
     alive = [n for n in ray.nodes() if n["Alive"]]
     pinned = {node.name: _ray_node_id(node, alive) for node in cfg.nodes}  # fail before starting anything
     start_global_actors(cfg.checkpoint_dir, predictor_config=cfg.predictor.model_dump(), index_shards=cfg.index_shards)
@@ -80,32 +80,21 @@ def up(cfg: ClusterConfig) -> dict:
             handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
             started.append(actor_name(node.name, t.tier))
     ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
-    controls = start_control_plane(cfg, slot_bytes)
-    running = ray.get(controls[0].shard_count.remote(), timeout=120)
-    if running != cfg.control_shards:
-        raise ConfigError(f"control_shards: the running control plane has {running} shards, the config asks for "
-                          f"{cfg.control_shards}; run `kvcluster cluster down` first")
-    ray.get([c.stats.remote() for c in controls], timeout=120)  # their views rebuilt from what the tiers hold
-    return {"tiers": started, "block_bytes": slot_bytes, "policy": cfg.policy, "control_shards": cfg.control_shards,
-            "index_shards": cfg.index_shards}
+    controls = start_node_controllers(cfg, slot_bytes, pinned)
+    ray.get([c.stats.remote() for c in controls.values()], timeout=120)  # their views rebuilt from the tiers
+    return {"tiers": started, "controllers": [control_name(n) for n in controls], "block_bytes": slot_bytes,
+            "policy": cfg.policy, "index_shards": cfg.index_shards}
 
 
-def start_control_plane(cfg: ClusterConfig, slot_bytes: int) -> list:
-    """The control plane shards (detached, found again by name): shard i owns the blocks whose key hashes to
-    it and the i-th share of every tier (`shard_capacities`)."""
-    shards = cfg.control_shards
-    chains = node_chains(cfg)
-    small = [t.label for chain in chains.values() for t in chain if t.capacity_blocks < shards]
-    if small:
-        raise ConfigError(f"control_shards: {shards} shards need at least {shards} blocks in every tier; "
-                          f"{', '.join(small)} hold fewer")
-    handles = []
-    for i in range(shards):
-        mine = {name: [(t.label, actor_name(name, t.tier.tier), shard_capacities(t.capacity_blocks, shards)[i])
-                       for t in chain] for name, chain in chains.items()}
-        handles.append(ControlPlaneActor.options(name=control_name(i), namespace=NAMESPACE, lifetime="detached",
-                                                 get_if_exists=True).remote(mine, cfg.policy, None, slot_bytes,
-                                                                            GAP_SYNC_EVERY, i, shards))
+def start_node_controllers(cfg: ClusterConfig, slot_bytes: int, pinned: dict[str, str]) -> dict:
+    """One controller per node (detached, found again by name), on that node, over that node's tiers."""
+    handles = {}
+    for name, chain in node_chains(cfg).items():
+        tiers = [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
+        handles[name] = NodeControlActor.options(
+            name=control_name(name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=pinned[name], soft=False),
+        ).remote(name, tiers, cfg.policy, None, slot_bytes, GAP_SYNC_EVERY)
     return handles
 
 
@@ -132,10 +121,15 @@ def status(cfg: ClusterConfig) -> dict:
         out["index"] = IndexClient.connect(timeout_s=30).occupancy(timeout_s=30)
     except ValueError:
         out["index"] = None
-    try:
-        out["control"] = ControlClient.connect().stats(timeout_s=30)
-    except ValueError:
-        out["control"] = None
+    out["control"] = {}
+    for node in cfg.nodes:
+        try:
+            out["control"][node.name] = ray.get(ray.get_actor(control_name(node.name), namespace=NAMESPACE)
+                                                .stats.remote(), timeout=30)
+        except ValueError:
+            out["control"][node.name] = None
+        except ray.exceptions.RayError as exc:
+            out["control"][node.name] = f"unavailable ({type(exc).__name__})"
     return out
 
 
@@ -150,7 +144,7 @@ def _running_count(first: str, configured: int) -> int:
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
     names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
-    names += [control_name(i) for i in range(_running_count(CONTROL_NAME, cfg.control_shards))]
+    names += [control_name(n.name) for n in cfg.nodes]
     names += [PREDICTOR_NAME] + [shard_name(i) for i in range(_running_count(shard_name(0), cfg.index_shards))]
     killed = []
     for name in names:

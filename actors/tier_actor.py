@@ -87,15 +87,15 @@ class TierActor(PeerServer):
             self.reporter.listed(self.backend.keys())
 
     def _tell_control_plane(self) -> None:
-        """After a restart this tier holds what its backend kept (nothing, for a memory tier): the control
-        plane re-reads it, so it neither counts on blocks that are gone nor leaves new ones unaccounted."""
-        from .control_client import ControlClient
+        """After a restart this tier holds what its backend kept (nothing, for a memory tier): its node's
+        controller re-reads it, so it neither counts on blocks that are gone nor leaves new ones unaccounted."""
+        from .node_control_actor import control_handle
 
         try:
-            control = ControlClient.connect()
-        except (ValueError, ray.exceptions.RayError):  # no control plane (a tier used on its own): nothing to tell
+            control = control_handle(self.cfg.node)
+        except (ValueError, ray.exceptions.RayError):  # no controller (a tier used on its own): nothing to tell
             return
-        control.resync(actor_name(self.cfg.node, self.cfg.tier))
+        control.resync.remote(actor_name(self.cfg.node, self.cfg.tier))
 
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 
@@ -103,10 +103,24 @@ class TierActor(PeerServer):
                  prefetch: bool = False, digests: list[int | None] | None = None) -> list[bool]:
         """Store blocks; `prefetch`: the caller promoted them here ahead of use (tracked until read or
         deleted); `digests`: the checksums the tier they were read from verified (see
-        `StorageBackend.put_many`). In a cluster the control plane is the writer: its plan's deletes
-        made the room, and it keeps a block's source when a put is refused."""
+        `StorageBackend.put_many`). In a cluster the node's controller made the room first, and the
+        writer (an engine with new blocks) tells it which puts were refused."""
         ok = self._write(keys, payloads, digests)
         self._stored(keys, ok, pairs, prefetch)
+        return ok
+
+    def put_read(self, keys: list[bytes], read: tuple[list[np.ndarray | None], list[int | None]]) -> list[bool]:
+        """Blocks another tier actor of this node read (`read_verified`'s answer, passed by the node
+        controller as an object reference and resolved here): a move whose bytes never pass through the
+        controller. A block the source could not read is refused (False)."""
+        payloads, digests = read
+        present = [i for i, p in enumerate(payloads) if p is not None]
+        ok = [False] * len(keys)
+        if present:
+            stored = self.put_many(_pick(keys, present), _pick(payloads, present), None, False,
+                                   _pick(digests, present))
+            for i, good in zip(present, stored):
+                ok[i] = good
         return ok
 
     def _write(self, keys: list[bytes], payloads: list[np.ndarray], digests: list[int | None] | None) -> list[bool]:

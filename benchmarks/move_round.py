@@ -1,9 +1,10 @@
 """The control plane's move round over real tier actors: plain calls per round vs one Ray Compiled Graph.
 
-Plain is what the live control plane runs: `plan_executor.execute` over
-`ActorTierIO`, three rounds per plan (read from the source tier actors, delete,
-write into the destination tier actors), each round one `.remote()` per tier
-actor gathered with `ray.get`, the payloads passing through the control plane.
+Plain is what a node's controller runs: `RemoteMover` (`actors/plan_mover.py`),
+three rounds per plan (read at the source tier actors, delete, write into the
+destination tier actors), each round one `.remote()` per tier actor; the reads'
+results stay in the object store and go to the writers as references, so the
+payloads never enter the controller.
 Compiled binds the same move into one graph per node: every tier actor reads and
 deletes its part (`read_verified`, `delete`), then every tier actor writes its
 part (`put_many`) from the other tiers' reads, so the payloads go tier to tier
@@ -51,9 +52,9 @@ import ray  # noqa: E402
 from harness import JsonOutput, interleaved  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
-from kvcluster.actors.control_plane_actor import ActorTierIO  # noqa: E402
 from kvcluster.actors.deploy import start_tier_actor  # noqa: E402
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from kvcluster.actors.plan_mover import RemoteMover  # noqa: E402
 from kvcluster.actors.tier_actor import TierActorConfig, actor_name  # noqa: E402
 from kvcluster.cache_manager import Move, StorePlan  # noqa: E402
 from kvcluster.cli import positive_int  # noqa: E402
@@ -285,7 +286,7 @@ def measure(name: str, tier_names: tuple[str, ...], args, root: str, here: str) 
                                                path=None if t in ("dram", "cxl") else f"{root}/{t}"), here)
               for t in tier_names]
     ray.get([a.describe.remote() for a in actors], timeout=CALL_TIMEOUT_S)
-    io = ActorTierIO(actors, [actor_name(node, t) for t in tier_names])
+    mover = RemoteMover(actors, [actor_name(node, t) for t in tier_names])
     space = KeySpace(model=f"move-round-{name}")
     groups = [[bytes(k) for k in space.chain_hash_ids(list(range(g * 10_000, g * 10_000 + args.blocks)))]
               for g in range(groups_n)]
@@ -299,7 +300,7 @@ def measure(name: str, tier_names: tuple[str, ...], args, root: str, here: str) 
     compile_s = time.perf_counter() - t0
     plan_ids = iter(range(1, 1 << 30))
     failed: list[bytes] = []
-    cases = {"plain": lambda: failed.extend(execute(ring.next_plan(next(plan_ids)), io, {})),
+    cases = {"plain": lambda: failed.extend(mover.run(ring.next_plan(next(plan_ids)))),
              "compiled": lambda: failed.extend(compiled.run(ring.next_plan(next(plan_ids))))}
     interleaved(cases, args.warmup)
     seconds = interleaved(cases, args.rounds)

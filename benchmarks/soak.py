@@ -48,7 +48,7 @@ import ray  # noqa: E402
 from harness import JsonOutput  # noqa: E402
 from ray import serve  # noqa: E402
 
-from kvcluster.actors.control_plane_actor import CONTROL_NAME  # noqa: E402
+from kvcluster.actors.node_control_actor import control_name  # noqa: E402
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
 from kvcluster.cli import _non_negative_float, positive_int  # noqa: E402
@@ -99,7 +99,7 @@ def start(tmp: str, shards: int = 1) -> str:
              log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
     cluster = Path(tmp) / "cluster.yaml"
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\n"
-                       f"index_shards: {shards}\ncontrol_shards: {shards}\nnodes:\n"
+                       f"index_shards: {shards}\nnodes:\n"
                        f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.001}}\n"
                        f"      - {{tier: nvme, capacity_gib: 0.001, path: {tmp}/nvme}}\n"
                        f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n")
@@ -203,8 +203,8 @@ async def load_phase(url: str, prompt_list: list[str], expected: dict, seconds: 
                                                           no_restart=False)),
                 ("kill predictor actor", lambda: ray.kill(ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE),
                                                           no_restart=False)),
-                ("kill the control plane", lambda: ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE),
-                                                            no_restart=False)),
+                ("kill n0's controller", lambda: ray.kill(ray.get_actor(control_name("n0"), namespace=NAMESPACE),
+                                                          no_restart=False)),
                 ("corrupt every pfs block file", lambda: corrupt_pfs(tmp)),
                 ("kill the model replica", lambda: ray.kill(replica_handle(), no_restart=True))]
         gap = seconds / (len(plan) + 1)
@@ -343,7 +343,7 @@ def main() -> None:
     parser.add_argument("--clean-seconds", type=_non_negative_float, default=30,
                         help="length of the fault-free phase before the faults (0: none)")
     parser.add_argument("--shards", type=positive_int, default=1,
-                        help="index and control plane shards (the control plane fault kills shard 0)")
+                        help="index shards")
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
     args = parser.parse_args()

@@ -161,6 +161,15 @@ class CacheManager:
         return tiers
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.unpin(keys)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep these blocks where they are until `unpin`: a tier that picks one as a victim takes another
+        (a reader copying it out, or a writer whose bytes are on the way in)."""
+        for i in self._known_ids(keys):
+            self._pins[i] += 1
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
         for i in self._known(keys):
             if i is not None and self._pins[i] > 0:
                 self._pins[i] -= 1

@@ -175,7 +175,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         prefetch_lead_s=args.prefetch_lead_s,
         calibration_horizon_s=args.calibration or 0.0,
         lookahead_s=args.lookahead_s,
-        control_shards=args.control_shards,
         answers_at_finish=args.answers_at_finish,
     )
     options.validate()
@@ -254,7 +253,7 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     for policy in policies:
         runs.append(replay_live(prepared, policy, args.cluster, capacities, args.live_block_bytes,
                                 _progress_factory(_show_progress(args), prepared.requests)(f"{policy} live"),
-                                prefetch_lead_s=args.prefetch_lead_s, control_shards=args.control_shards,
+                                prefetch_lead_s=args.prefetch_lead_s,
                                 answers_at_finish=args.answers_at_finish))
     report = {"trace": prepared.name, "requests": prepared.requests, "block_refs": prepared.block_refs,
               "unique_blocks": prepared.unique_blocks, "block_size": prepared.block_size, "driver": "live",
@@ -417,9 +416,6 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--cluster", default="local", help="cluster YAML for --live (default local)")
     rp.add_argument("--live-block-bytes", type=positive_int, default=4096, metavar="BYTES",
                     help="payload bytes per block in --live (default 4096: stand-in KV, small to keep it quick)")
-    rp.add_argument("--control-shards", type=positive_int, default=1, metavar="N",
-                    help="split the cache managers' state by key hash over N control plane shards, each with its "
-                         "share of every tier (live: N actors; simulated: the same split)")
     _trace_options(rp, TRACE_FORMATS)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity as a PNG")

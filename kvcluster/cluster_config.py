@@ -57,10 +57,8 @@ class ClusterConfig(BaseModel):
                                        "reuse predictor (used when it first starts; a checkpoint's posteriors win).")
     index_shards: int = Field(1, ge=1, le=64, description="Actors the global block index is split over by key "
                               "hash; a lookup is one batched call per shard, issued together.")
-    control_shards: int = Field(1, ge=1, le=64, description="Control plane actors the cache managers' state is "
-                                "split over by key hash; each owns its blocks and a share of every tier.")
-    policy: str = Field(DEFAULT_POLICY, description="Eviction policy of every node's hierarchy, run by the control "
-                        "plane actor (the one `kvcluster replay --policy` measures); an online policy.")
+    policy: str = Field(DEFAULT_POLICY, description="Eviction policy of every node's hierarchy, run by each "
+                        "node's controller (the one `kvcluster replay --policy` measures); an online policy.")
 
     @field_validator("policy")
     @classmethod

@@ -45,7 +45,6 @@ class ReplayOptions:
     prefetch_lead_s: float = 0.0
     lookahead_s: float = 0.0  # > 0: also replay each single-tier point with queue look-ahead
     calibration_horizon_s: float = 0.0  # > 0: also score the reuse-gap predictor's P(reuse within this)
-    control_shards: int = 1  # > 1: the managers' state split by key hash, as that many control plane shards
     answers_at_finish: bool = False  # each answer told after its request's store, as vLLM's connector tells it
 
     def validate(self) -> None:
@@ -65,10 +64,6 @@ class ReplayOptions:
         if self.lookahead_s > 0 and (self.tiers or self.topology):
             raise ConfigError("--lookahead-s pins blocks in one tier: use it with --capacity-*, or "
                               "--prefetch-lead-s with --tiers")
-        if self.control_shards < 1:
-            raise ConfigError("--control-shards must be >= 1")
-        if self.control_shards > 1 and self.lookahead_s > 0:
-            raise ConfigError("--control-shards splits the hierarchy: --lookahead-s pins in one, not with it")
         if self.calibration_horizon_s < 0:
             raise ConfigError("--calibration horizon must be > 0 seconds")
 
@@ -131,14 +126,11 @@ def run_replay(
     block_bytes = size_model(spec, dtype=cluster.dtype if cluster else None).bytes_per_token * trace.block_size
     results: list[ReplayResult] = []
     for plan in plans(options, trace, block_bytes):
-        if any(t.capacity_blocks < options.control_shards for t in plan):
-            raise ConfigError(f"--control-shards {options.control_shards}: every tier needs at least one block "
-                              "per shard")
         cost = cost_model_for(options, plan, trace.block_size)
         for policy in options.policies:
             results.append(
                 replay(trace, policy, plan, cost=cost, prefetch_lead_s=options.prefetch_lead_s,
-                       control_shards=options.control_shards, answers_at_finish=options.answers_at_finish,
+                       answers_at_finish=options.answers_at_finish,
                        progress=progress_factory(f"{policy} @ {sum(t.capacity_blocks for t in plan):,} blocks"))
             )
             if options.lookahead_s > 0:  # a separate figure, never mixed into the one above

@@ -13,17 +13,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .block_index import shard_of
 from .block_types import BlockType
 from .cost_model import CostModel
 from .hierarchy import Hierarchy
-from .keys import stand_in_key
 from .policies.base import FAR, RequestContext
 from .policies.registry import POLICIES, make_policy
 from .predictor import PredictorConfig, ReusePredictor
 from .prefetch import Prefetcher
 from .pricing import cost_per_million_prompt_tokens
-from .sharded_hierarchy import ShardedHierarchy, shard_capacities
 from .traces.base import Trace
 
 
@@ -171,25 +168,6 @@ def build_hierarchy(
     return Hierarchy([t.name for t in plan], policies)
 
 
-def sharded_hierarchy(policy: str, plan: Sequence[TierPlan], shards: int,
-                      predictor_config: PredictorConfig | None = None,
-                      policy_options: dict | None = None) -> ShardedHierarchy:
-    """`build_hierarchy` once per control plane shard, over that shard's share of every tier; a block goes to
-    the shard its stand-in key hashes to (as `replay --live` keys it)."""
-    shares = [shard_capacities(t.capacity_blocks, shards) for t in plan]
-    parts = [build_hierarchy(policy, [TierPlan(t.name, share[i]) for t, share in zip(plan, shares)],
-                             predictor_config, policy_options=policy_options) for i in range(shards)]
-    owner: dict[int, int] = {}
-
-    def shard_of_block(block: int) -> int:
-        s = owner.get(block)
-        if s is None:
-            s = owner[block] = shard_of(stand_in_key(block), shards)
-        return s
-
-    return ShardedHierarchy(parts, shard_of_block)
-
-
 def shard_trace(trace: PreparedTrace, heads: int) -> PreparedTrace:
     """The same trace with every block split into `heads` consecutive shard ids."""
     return replace(
@@ -235,7 +213,6 @@ def replay(
     policy_options: dict | None = None,
     observe: Callable[[int, Hierarchy, float | None], None] | None = None,
     lookahead_s: float = 0.0,
-    control_shards: int = 1,
     answers_at_finish: bool = False,
 ) -> ReplayResult:
     """Replay `trace` through a hierarchy of `policy` tiers; optionally project TTFT.
@@ -255,26 +232,16 @@ def replay(
     victims). Any policy gets it the same way; it is information a live system has,
     reported apart from the figures without it.
 
-    With `control_shards > 1` the manager state is split by key hash as a cluster with that many control
-    plane shards splits it (`kvcluster.sharded_hierarchy`): every tier's capacity is shared out and each
-    shard's policy sees only its blocks of each request.
-
     With `answers_at_finish` each request is served without how its answer ended, which is told right after
     (`Hierarchy.answered`): the order vLLM's connector sees, where the engine stores a request's blocks
     before it finishes.
     """
-    if control_shards > 1 and (heads > 1 or lookahead_s > 0):
-        raise ValueError("control_shards splits whole blocks over one hierarchy per shard: not with heads or "
-                         "lookahead_s")
     if lookahead_s > 0 and len(plan) > 1:
         raise ValueError("lookahead_s pins blocks in a single tier; with several tiers use prefetch_lead_s")
     if heads > 1:
         trace = shard_trace(trace, heads)
         plan = [TierPlan(t.name, t.capacity_blocks * heads) for t in plan]
-    if control_shards > 1:
-        hierarchy = sharded_hierarchy(policy, plan, control_shards, predictor_config, policy_options)
-    else:
-        hierarchy = build_hierarchy(policy, plan, predictor_config, heads, head_importance, policy_options)
+    hierarchy = build_hierarchy(policy, plan, predictor_config, heads, head_importance, policy_options)
     offline = POLICIES[policy].offline
     next_uses = trace.next_uses() if offline else None
     future: dict[int, int] | None = {} if offline else None
@@ -367,8 +334,7 @@ def replay(
         out.cost = cost_per_million_prompt_tokens(cost.node, cost.tier_names, out.throughput["prefill_tokens_per_s"])
     if prefetcher is not None:
         out.prefetch = prefetcher.stats.__dict__.copy()
-    first = hierarchy.shards[0] if isinstance(hierarchy, ShardedHierarchy) else hierarchy
-    predictor = getattr(first.policies[0], "predictor", None)
+    predictor = getattr(hierarchy.policies[0], "predictor", None)
     if predictor is not None:
         out.predictor = _posteriors(predictor)
     return out

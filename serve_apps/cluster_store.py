@@ -12,10 +12,11 @@ written straight into their pages (`fetch_placed`): one transfer, no staging. An
 engine that lends its paged KV as its node's hbm tier (`kvcluster.integrations.vllm.lending`) is read the
 same way, from its pages; a store never reads its own engine's. A
 tier actor that is gone or slow is a miss, never an error. Fetched blocks are
-promoted into hbm. `store` keeps new blocks in hbm and commits the request to
-the control plane with one fire-and-forget call (its policy decides where every
-block goes; see `kvcluster.cluster_control`), and tells the reuse predictor
-about the request's blocks in one more.
+promoted into hbm. `store` keeps new blocks in hbm and, on a saver thread, places
+the request through its node's controller and writes the new blocks straight
+into the tiers it names (`kvcluster.actors.node_writer`: no KV byte passes
+through a control actor), and tells the reuse predictor about the request's
+blocks in one more call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -31,7 +33,7 @@ import ray
 import torch
 
 from kvcluster.actors import metrics
-from kvcluster.actors.control_client import ControlClient
+from kvcluster.actors.node_writer import NodeWriter
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient, LocalIndex
 from kvcluster.actors.lent_pages_actor import LENT_TIER
@@ -63,7 +65,10 @@ class ClusterBlockStore:
         self._nixl_staging = nixl_staging_bytes
         self._readers: dict[tuple[str, str], RDMABackend] = {}
         self._no_nixl_until: dict[tuple[str, str], float] = {}
-        self._control_handle = None
+        self.writer = NodeWriter(node) if node is not None else None
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-store")  # keeps stores in order
+        self._control_faults = 0
+        self._from_peers: set[bytes] = set()  # blocks the last fetch read from other nodes' tiers
         self._requests = 0
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
         self._in_place: set[tuple[str, str]] = set()  # readers with every region registered
@@ -142,8 +147,10 @@ class ClusterBlockStore:
             if payload is None:
                 break
             run.append(payload)
-            tier = source[j][1]
-            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1  # "hbm" counts this store's own hits
+            node, tier = source[j]
+            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1
+            if node != self.node:
+                self._from_peers.add(bytes(rest[j]))  # "hbm" counts this store's own hits
         if run:
             self.hbm.place(rest[: len(run)], run)  # promoted: the next turn finds them in process
             by_source: dict[str, int] = defaultdict(int)
@@ -331,40 +338,47 @@ class ClusterBlockStore:
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,
               session: str = "", continues: bool = False) -> None:
-        """Keep the request's blocks in hbm, then hand the whole request to the control plane in one
-        fire-and-forget call: its policy places the new blocks and moves the ones this request used
-        (promotions, and migrations from other nodes) through the tiers."""
+        """Keep the request's blocks in hbm, then, on this store's saver thread, place the request through
+        the node's controller and write its new blocks (and those it read from other nodes, so the next
+        turn finds them here) straight into the tiers the controller names (`NodeWriter`). The payloads
+        are the caller's to give away: it does not reuse them."""
         self.hbm.store(keys, payloads, pairs, finish, output_tokens, session, continues)
         if self.node is None or not keys:
             return
         self._requests += 1
         ctx = served_context(self._requests, time.time(), pairs, finish, output_tokens, session, continues)
-        new = [p for p in payloads if p is not None]
-        try:
-            self._control().commit(self.node, list(keys), list(payloads), ctx)
-            if new:
-                metrics.bytes_moved().inc(sum(p.nbytes for p in new), {"src": f"{self.node}/hbm", "dst": "control",
-                                                                     "how": "commit"})
-        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): these blocks stay in hbm only
-            self._control_handle = None
-            metrics.faults().inc(1, {"component": "control", "kind": "actor_unavailable"})
+        # copies: the saver thread writes them later, and a caller may reuse its rows (a synchronous connector)
+        new = {bytes(k): np.array(p, copy=True) for k, p in zip(keys, payloads) if p is not None}
+        peers = [k for k, p in zip(keys, payloads) if p is None and bytes(k) in self._from_peers]
+        for key in peers:
+            got = self.hbm.fetch([key])
+            if got:
+                new[bytes(key)] = np.array(got[0], copy=True)
+        self._from_peers.clear()
+        by_key = None if pairs is None else {bytes(k): p for k, p in zip(keys, pairs)}
+        self._saver.submit(self._write, [bytes(k) for k in keys], new, ctx, by_key)
         if pairs is not None:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())
 
+    def _write(self, keys: list[bytes], new: dict[bytes, np.ndarray], ctx, pairs) -> None:
+        landed = self.writer.store(keys, new, ctx, pairs)
+        if landed:
+            nbytes = sum(p.nbytes for p in new.values()) * landed // max(1, len(new))
+            metrics.bytes_moved().inc(nbytes, {"src": f"{self.node}/hbm", "dst": f"{self.node}/tiers",
+                                               "how": "store"})
+        if self.writer.counters["control_unavailable"] > self._control_faults:
+            self._control_faults = self.writer.counters["control_unavailable"]
+            metrics.faults().inc(1, {"component": f"{self.node}/control", "kind": "actor_unavailable"})
+
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
-        """How the answer to `session`'s latest request ended: this node's hbm policy and the control plane's
-        (one fire-and-forget call per shard, after the request's `store` calls) re-class its blocks."""
+        """How the answer to `session`'s latest request ended: this node's hbm policy and its controller (after
+        the request's stores, on the same saver thread) re-class its blocks."""
         self.hbm.answered(session, finish, output_tokens)
         if self.node is None or not session:
             return
-        try:
-            self._control().answered(self.node, session, finish, output_tokens)
-        except (ValueError, ray.exceptions.RayError):  # no control plane (yet): nothing to re-class there
-            self._control_handle = None
-            metrics.faults().inc(1, {"component": "control", "kind": "actor_unavailable"})
+        self._saver.submit(self.writer.answered, session, finish, output_tokens)
 
-    def _control(self) -> ControlClient:
-        if self._control_handle is None:
-            self._control_handle = ControlClient.connect()
-        return self._control_handle
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every store and answer handed to the saver thread so far has reached the controller."""
+        self._saver.submit(lambda: None).result(timeout=timeout_s)
 

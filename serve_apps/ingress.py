@@ -22,7 +22,7 @@ from ray import serve
 from starlette.background import BackgroundTask
 
 from kvcluster.actors.cluster import node_ids
-from kvcluster.actors.control_client import ControlClient
+from kvcluster.actors.node_control_actor import control_handle
 from kvcluster.actors.index_client import open_index
 from kvcluster.keys import KeySpace
 from kvcluster.serving.chat import reusable_segments
@@ -95,7 +95,7 @@ class OpenAIIngress:
         self.encoder = PromptEncoder(self.tokenizer, self.window, self.cfg.tokenizer_threads)
         self.cluster = cache_cluster(self.cfg)
         self.index = open_index(self.cfg.index_refresh_s) if self.cluster else None
-        self._control = None  # the control plane's handle, looked up on the first prefetch
+        self._control: dict[str, object] = {}  # each node's controller, looked up on its first prefetch
         self._node_ids: dict[str, str] = {}
         self._node_ids_at = 0.0
         self.inflight = 0
@@ -324,11 +324,11 @@ class OpenAIIngress:
         if not self.cfg.prefetch_queued or self.inflight <= self._serving_slots() or not keys:
             return False
         try:
-            if self._control is None:  # found once, by name, off the event loop (a GCS lookup)
-                self._control = await asyncio.to_thread(ControlClient.connect)
-            self._control.prefetch(node, keys)
+            if node not in self._control:  # found once, by name, off the event loop (a GCS lookup)
+                self._control[node] = await asyncio.to_thread(control_handle, node)
+            self._control[node].prefetch.remote(keys)
         except (ValueError, ray.exceptions.RayError, TimeoutError):  # no control plane: it reads where it is
-            self._control = None
+            self._control.pop(node, None)
             return False
         metrics.queued_prefetches().inc(1, {"node": node})
         return True

@@ -62,7 +62,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         assert first.output_ids == cold.output_ids and first.stored_blocks == 8
         runner.complete(tokens[:100], GREEDY)  # a reuse of the prefix: the predictor learns from it
         predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300
         while ray.get(predictor.snapshot.remote()).version == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
         index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
@@ -85,7 +85,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         after = ray.get(predictor.snapshot.remote())
         assert after.alpha == before.alpha and after.beta == before.beta  # posteriors restored
         index = ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300
         while ray.get(index.longest_prefix.remote(keys)).length < 8 and time.monotonic() < deadline:
             time.sleep(0.2)  # the restarted pfs tier announces the files it found (one batched event)
         runner = ModelRunner(loaded)

@@ -1,5 +1,5 @@
-"""One engine, two drivers: a trace through real tier actors and the control plane actor hits what the
-simulator replays, per tier, on bytes read back from the tiers."""
+"""One engine, two drivers: a trace through real tier actors and a node's controller hits what the simulator
+replays, per tier, on bytes read back from the tiers."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_live_and_simulated_hit_rates_are_equal_per_tier(own_ray, trace, policy:
     caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
     out = replay_live(trace, policy, "local", caps)
     live, simulated = out["live"], out["simulated"]
-    assert out["wrong_bytes"] == 0
+    assert out["wrong_bytes"] == 0 and out["control_payload_bytes"] == 0  # bytes went writer -> tier, tier -> tier
     assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
     assert live["prefix_hits"] == simulated["prefix_hits"] > 0
     assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
@@ -68,23 +68,11 @@ def test_queued_requests_are_prefetched_live_as_in_the_simulator(own_ray, trace)
     assert live["tiers"][0]["hits"] > plain["tiers"][0]["hits"]  # hits moved up to the first tier
 
 
-def test_a_control_plane_split_over_two_shards_hits_what_the_split_simulator_says(own_ray, trace) -> None:
-    """Two control plane actors, each owning the blocks whose key hashes to it and half of every tier: per
-    tier, the same hits and evictions as `replay(control_shards=2)`, on bytes read back."""
-    caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
-    out = replay_live(trace, "bayes", "local", caps, control_shards=2)
-    live, simulated = out["live"], out["simulated"]
-    assert out["wrong_bytes"] == 0 and out["max_abs_diff"] == 0.0
-    assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
-    assert [t["evictions"] for t in live["tiers"]] == [t["evictions"] for t in simulated["tiers"]]
-    assert live["prefix_hits"] > 0
-
-
 def test_answers_told_to_the_control_plane_after_each_request_hit_what_the_simulator_says(own_ray, trace) -> None:
-    """As vLLM's connector tells them: each request stored without its answer, which reaches the control
-    plane's shards after it; live equals `replay(answers_at_finish=True)`, per tier."""
+    """As vLLM's connector tells them: each request stored without its answer, which reaches the node's
+    controller after it; live equals `replay(answers_at_finish=True)`, per tier."""
     caps = [trace.unique_blocks // 50, trace.unique_blocks // 25, trace.unique_blocks // 10]
-    out = replay_live(trace, "bayes", "local", caps, control_shards=2, answers_at_finish=True)
+    out = replay_live(trace, "bayes", "local", caps, answers_at_finish=True)
     live, simulated = out["live"], out["simulated"]
     assert out["wrong_bytes"] == 0 and out["max_abs_diff"] == 0.0
     assert [t["hits"] for t in live["tiers"]] == [t["hits"] for t in simulated["tiers"]]
@@ -122,22 +110,25 @@ def test_bad_live_options_are_refused_by_name(mooncake, argv, message: str) -> N
 
 
 def test_a_dead_tier_actor_fails_its_part_of_a_plan_without_stopping_the_rest(own_ray) -> None:
-    """A round that raised halfway would leave tiers and bookkeeping apart: a dead tier answers "nothing"."""
+    """A round that raised halfway would leave tiers and bookkeeping apart: moves into a dead tier fail (their
+    keys are reported), the others land, and deleting on it raises nothing."""
     import numpy as np
 
-    from kvcluster.actors.control_plane_actor import ActorTierIO
     from kvcluster.actors.deploy import start_tier_actor
     from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor
+    from kvcluster.actors.plan_mover import RemoteMover
     from kvcluster.actors.tier_actor import TierActorConfig
+    from kvcluster.cache_manager import Move, StorePlan
 
     index = IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote()
     here = ray.get_runtime_context().get_node_id()
-    alive, dead = (start_tier_actor(TierActorConfig(node=n, tier="dram", slots=4, slot_bytes=4096), here)
-                   for n in ("io-a", "io-b"))
-    io = ActorTierIO([alive, dead], ["kvcluster/io-a/dram", "kvcluster/io-b/dram"])
-    ray.get([alive.describe.remote(), dead.describe.remote()])
+    src, alive, dead = (start_tier_actor(TierActorConfig(node=n, tier="dram", slots=4, slot_bytes=4096), here)
+                        for n in ("io-s", "io-a", "io-b"))
+    mover = RemoteMover([src, alive, dead], ["kvcluster/io-s/dram", "kvcluster/io-a/dram", "kvcluster/io-b/dram"],
+                        timeout_s=30)
+    ray.get([a.describe.remote() for a in (src, alive, dead)])
     ray.kill(dead, no_restart=True)  # asynchronous: wait until the actor answers no more
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300
     while True:
         try:
             ray.get(dead.describe.remote(), timeout=10)
@@ -145,12 +136,13 @@ def test_a_dead_tier_actor_fails_its_part_of_a_plan_without_stopping_the_rest(ow
             break
         assert time.monotonic() < deadline, "the killed tier actor still answers"
         time.sleep(0.1)
-    k = block_key(1)
-    data = block_payload(k, 4096)
-    assert io.write({0: ([k], [data], [None]), 1: ([k], [data], [None])}) == {0: [True], 1: [False]}
-    got = io.read({0: [k], 1: [k]})
-    assert np.array_equal(got[0][0][0], data) and got[1] == ([None], [None])
-    io.delete({0: [k], 1: [k]})  # no exception from the dead one
-    assert io.read({0: [k]})[0][0] == [None]
-    for actor in (alive, index):
+    a, b = block_key(1), block_key(2)
+    assert ray.get(src.put_many.remote([a, b], [block_payload(a, 4096), block_payload(b, 4096)])) == [True, True]
+    failed = mover.run(StorePlan(1, (Move(a, 0, 1), Move(b, 0, 2))))
+    assert failed == [b]  # b's destination is gone: reported, never claimed
+    assert np.array_equal(ray.get(alive.get_many.remote([a]))[0], block_payload(a, 4096))
+    assert ray.get(src.get_many.remote([a, b])) == [None, None]  # both left their source (the plan said so)
+    mover.delete({1: [a], 2: [b]})  # no exception from the dead one
+    assert ray.get(alive.get_many.remote([a])) == [None]
+    for actor in (src, alive, index):
         ray.kill(actor, no_restart=True)

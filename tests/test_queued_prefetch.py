@@ -16,13 +16,15 @@ from kvcluster.serve_apps.ingress import OpenAIIngress  # noqa: E402
 
 
 class Recorder:
-    """Stands in for the control plane's client: records `prefetch` calls."""
+    """Stands in for the nodes' controllers: records `prefetch.remote` calls, per node."""
 
-    def __init__(self) -> None:
-        self.calls: list = []
+    def __init__(self, node: str = "", calls: list | None = None) -> None:
+        self.node = node
+        self.calls: list = [] if calls is None else calls
+        self.prefetch = self
 
-    def prefetch(self, *args) -> None:
-        self.calls.append(args)
+    def remote(self, *args) -> None:
+        self.calls.append((self.node, *args))
 
 
 def ingress(inflight: int, **cfg) -> tuple[object, Recorder]:
@@ -30,8 +32,9 @@ def ingress(inflight: int, **cfg) -> tuple[object, Recorder]:
     obj = cls.__new__(cls)
     obj.cfg = ServeAppConfig.model_validate({"max_ongoing_requests": 2, "autoscaling": {"max_replicas": 3}, **cfg})
     obj.inflight = inflight
-    obj._control = Recorder()
-    return obj, obj._control
+    recorder = Recorder()
+    obj._control = {"n0": Recorder("n0", recorder.calls)}
+    return obj, recorder
 
 
 def test_only_a_request_past_every_replica_slot_is_prefetched() -> None:
