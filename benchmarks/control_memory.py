@@ -10,7 +10,7 @@ forgets nothing (every key met, every ghost, every session: the manager as it
 was before its memory was bounded). Goal: the heap after the last pass is under
 twice the heap after the first, while the reference's grows with the keys met.
 
-    .venv/bin/python benchmarks/control_memory.py [--passes 6] [--policy bayes] [--json]
+    .venv/bin/python benchmarks/control_memory.py [--passes 6] [--policy bayes] [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import tracemalloc
 from dataclasses import replace
 
 from harness import JsonOutput
+from hit_rate import load
 
 from kvcluster.cache_manager import MIN_KEYS_SWEPT, CacheManager
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import POLICIES
 from kvcluster.simulator import TierPlan, prepare, request_context
-from kvcluster.traces import load_trace
 
 
 FORGET_NOTHING = {"bayes": {"ghost_factor": 1e12, "max_sessions": 1 << 62}}  # policy options of the reference
@@ -59,6 +59,7 @@ def main() -> int:
     online = [name for name, cls in POLICIES.items() if not cls.offline]
     parser.add_argument("--policy", default="bayes", choices=online, help="the control plane's eviction policy")
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    parser.add_argument("--smoke", action="store_true", help="a tiny slice of the trace: checks the code runs")
     args = parser.parse_args()
     if args.passes < 2:
         parser.error("--passes must be >= 2 (the last pass is compared with the first)")
@@ -67,7 +68,7 @@ def main() -> int:
     if not path.exists():
         print(f"control_memory: trace not found: {path}", file=sys.stderr)
         return 2
-    trace = prepare(load_trace(str(path)))
+    trace = prepare(load(str(path), args.smoke))
     unique = trace.unique_blocks
     plan = [TierPlan("dram", unique // 50), TierPlan("nvme", unique // 20), TierPlan("pfs", unique // 10)]
     bounded = run(trace, plan, args.policy, args.passes, {}, MIN_KEYS_SWEPT)

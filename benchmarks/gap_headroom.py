@@ -38,7 +38,7 @@ session granularity. A second table says how random each trace's waits are:
 the median coefficient of variation of the gaps of sessions with six or more
 requests, and how well the mean log of a session's gaps so far predicts its next.
 
-    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000]
+    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000] [--smoke]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from collections import deque
 from typing import Sequence
 
 import numpy as np
-from hit_rate import traces
+from hit_rate import load, traces
 
 from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
 from kvcluster.policies.bayes import BayesPolicy, _NT, answer_bucket, finish_index, session_bucket
@@ -60,7 +60,6 @@ from kvcluster.policies.lru import LRUPolicy
 from kvcluster.policies.registry import POLICIES, register
 from kvcluster.reuse_gap import GapModel
 from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
-from kvcluster.traces import load_trace
 
 FRACTIONS = (0.02, 0.05, 0.10)
 WHEN_EDGES_S = (4, 8, 16, 32, 64, 128, 256)
@@ -323,6 +322,7 @@ def main() -> int:
     parser.add_argument("--sharegpt-records", type=int, default=1000)
     parser.add_argument("--horizon-factor", type=float, default=None,
                         help="horizon of `bayes`, `oracle-when` and `fitted-online` (default: `bayes`'s own)")
+    parser.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
     args = parser.parse_args()
     if args.horizon_factor is not None and not args.horizon_factor > 0:
         parser.error(f"--horizon-factor must be > 0, got {args.horizon_factor}")
@@ -340,7 +340,7 @@ def main() -> int:
                 "belady")
     rows, stats = [], {}
     for label, path, kwargs in traces(args.sharegpt_records):
-        prepared = prepare(load_trace(path, **kwargs))
+        prepared = prepare(load(path, args.smoke, **kwargs))
         stats[label] = session_gap_stats(prepared)
         OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)
         OraclePace.paces = session_paces(prepared)

@@ -8,7 +8,7 @@ before it finishes, and the connector tells the policy how the answer ended (its
 front whether it ended the turn) once it has. `--without-answers` drops the answers altogether.
 
     .venv/bin/python benchmarks/hit_rate.py [--json] [--sharegpt-records N] [--policies lru,bayes,...]
-        [--answers-at-finish | --without-answers]
+        [--answers-at-finish | --without-answers] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import policy_names
 from kvcluster.simulator import TierPlan, prepare, replay
-from kvcluster.traces import load_trace
+from kvcluster.traces import Trace, load_trace
 
 FRACTIONS = (0.02, 0.05, 0.10, 0.20)
 SHAREGPT_RECORDS = 1000  # ShareGPT entries tokenized by default: the ones the defaults were tuned on
+SMOKE_RECORDS, SMOKE_REQUESTS = 2, 30  # --smoke: the code runs end to end, on traces too small for figures
 
 
 def traces(sharegpt_records: int) -> list[tuple[str, str, dict]]:
@@ -39,6 +40,16 @@ def traces(sharegpt_records: int) -> list[tuple[str, str, dict]]:
     ]
 
 
+def load(path: str, smoke: bool = False, **kwargs) -> Trace:
+    """`load_trace(path, **kwargs)`; with `smoke`, the first SMOKE_REQUESTS requests of its first SMOKE_RECORDS
+    records (one Claude Code session alone is ~100k block references)."""
+    if not smoke:
+        return load_trace(path, **kwargs)
+    trace = load_trace(path, **{**kwargs, "max_records": min(kwargs.get("max_records") or SMOKE_RECORDS,
+                                                            SMOKE_RECORDS)})
+    return dataclasses.replace(trace, requests=trace.requests[:SMOKE_REQUESTS])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the full report, as JSON, on stdout")
@@ -49,6 +60,7 @@ def main() -> int:
                          help="drop every request's finish reason and answer length")
     answers.add_argument("--answers-at-finish", action="store_true",
                          help="tell each request's answer after its blocks are stored (the vLLM connector's order)")
+    parser.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
     args = parser.parse_args()
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in policy_names()]
@@ -65,7 +77,7 @@ def main() -> int:
     for label, path, kwargs in traces(args.sharegpt_records):
         t0 = time.perf_counter()
         try:
-            prepared = prepare(load_trace(path, **kwargs))
+            prepared = prepare(load(path, args.smoke, **kwargs))
             if args.without_answers:
                 prepared = dataclasses.replace(prepared, finishes=(), output_tokens=())
         except TraceError as err:  # missing or malformed shared data: one line, not a traceback

@@ -37,7 +37,7 @@ near-bound) and the best of lru, arc, s3fifo and sieve (the bar `bayes` must
 meet). Prints a markdown table with the share of the LRU->Belady gap each policy
 closes, or with `--json` only the report, as JSON, on stdout.
 
-    .venv/bin/python benchmarks/hit_rate_unseen.py [--json]
+    .venv/bin/python benchmarks/hit_rate_unseen.py [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hit_rate import SHAREGPT_RECORDS as TUNED_SHAREGPT_ENTRIES
+from hit_rate import SHAREGPT_RECORDS as TUNED_SHAREGPT_ENTRIES, load
 
 from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
@@ -155,8 +155,9 @@ def claude_code_half(source: Path, out: Path, parity: int) -> Path:
     return out
 
 
-def _run(quiet: bool) -> list[dict]:
-    """Score every policy on the unseen traces; print the table unless `quiet`. Returns the report's rows."""
+def _run(quiet: bool, smoke: bool = False) -> list[dict]:
+    """Score every policy on the unseen traces (tiny slices of them with `smoke`); print the table unless `quiet`.
+    Returns the report's rows."""
     data = shared_data_dir()
     report = []
     if not quiet:
@@ -165,10 +166,10 @@ def _run(quiet: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="kvcluster-unseen-") as tmp:
         tmp_dir = Path(tmp)
         sharegpt = unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl", tmp_dir / "sharegpt.jsonl")
-        unseen = prepare(load_trace(str(sharegpt)))
-        unseen_512 = with_random_gaps(prepare(load_trace(str(sharegpt), block_size=MOONCAKE_BLOCK)))
-        mooncake = prepare(load_trace(str(data / "mooncake" / "synthetic_trace.jsonl")))
-        halves = [prepare(load_trace(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i))))
+        unseen = prepare(load(str(sharegpt), smoke))
+        unseen_512 = with_random_gaps(prepare(load(str(sharegpt), smoke, block_size=MOONCAKE_BLOCK)))
+        mooncake = prepare(load(str(data / "mooncake" / "synthetic_trace.jsonl"), smoke))
+        halves = [prepare(load(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i)), smoke))
                   for i, h in enumerate(("even", "odd"))]
 
         def reread(trace: PreparedTrace, name: str, system_prompt_blocks: int = 0) -> PreparedTrace:
@@ -187,8 +188,8 @@ def _run(quiet: bool) -> list[dict]:
             ("claude-code-even-as-mooncake", lambda: reread(halves[0], "cc-even")),
             ("claude-code-odd-as-mooncake", lambda: reread(halves[1], "cc-odd")),
         ]
-        for label, load in traces:
-            prepared = load()
+        for label, build in traces:
+            prepared = build()
             print(f"{label}: {prepared.requests} requests, {prepared.block_refs} refs, {prepared.unique_blocks} "
                   "unique", file=sys.stderr)
             for frac in FRACTIONS:
@@ -210,9 +211,10 @@ def _run(quiet: bool) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the report, as JSON, on stdout")
+    parser.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
     args = parser.parse_args()
     try:
-        report = _run(args.json)
+        report = _run(args.json, args.smoke)
     except TraceError as err:
         print(f"hit_rate_unseen: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ request of its own with no context, and stores only the new blocks with the requ
 (what the store did before). Each trace of `hit_rate.py` is served through a dram tier of real memory at
 `--capacity-frac` of its unique blocks (16-byte keys, 64-byte stand-in payloads checked on every read).
 
-    .venv/bin/python benchmarks/serving_commits.py [--capacity-frac 0.02,0.05,0.1] [--policies lru,bayes] [--json]
+    .venv/bin/python benchmarks/serving_commits.py [--capacity-frac 0.02,0.05,0.1] [--policies lru,bayes] [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import JsonOutput  # noqa: E402
-from hit_rate import traces  # noqa: E402
+from hit_rate import load, traces  # noqa: E402
 
 from kvcluster.block_types import pair_index  # noqa: E402
 from kvcluster.errors import TraceError  # noqa: E402
@@ -32,7 +32,6 @@ from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
 from kvcluster.simulator import TierPlan, prepare, replay, request_context  # noqa: E402
 from kvcluster.storage import dram_backend  # noqa: E402
 from kvcluster.storage.tiered import TieredStore  # noqa: E402
-from kvcluster.traces import load_trace  # noqa: E402
 
 BLOCK_BYTES = 64
 
@@ -90,6 +89,7 @@ def main() -> int:
     ap.add_argument("--policies", default="lru,bayes")
     ap.add_argument("--sharegpt-records", type=int, default=1000, help="ShareGPT entries to tokenize")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
     args = ap.parse_args()
     policies = args.policies.split(",")
     online = [name for name, cls in POLICIES.items() if not cls.offline]
@@ -108,7 +108,7 @@ def main() -> int:
     rows = []
     for label, path, kwargs in traces(args.sharegpt_records):
         try:
-            trace = prepare(load_trace(path, **kwargs))
+            trace = prepare(load(path, args.smoke, **kwargs))
         except TraceError as err:  # missing or malformed shared data: one line, not a traceback
             print(f"serving_commits: {err}", file=sys.stderr)
             return 2

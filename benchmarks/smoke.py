@@ -1,0 +1,181 @@
+"""Every benchmark at its smallest size, one at a time: a benchmark that no longer runs fails CI, not a release.
+
+The benchmarks are found by listing this directory (`*.py`, `*.sh`), and each must
+have an entry in `ENTRIES`: the arguments that make it small, why it is skipped,
+or which benchmark it is a part of. A file without one fails the run before
+anything starts, so a new benchmark cannot be forgotten. Each runs as a
+subprocess with `--json`; it passes when it exits 0 and its stdout is exactly one
+JSON document (gpu_check writes its report to a file: that file is checked).
+Figures at these sizes mean nothing; only that the code still runs is checked.
+
+    .venv/bin/python benchmarks/smoke.py [--only a,b] [--timeout-s 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CORE = ".venv/bin/python"
+VLLM = ".venv-vllm/bin/python"
+STDERR_TAIL = 2000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How the smoke run treats one file: run it (`args` after the script), skip it (`skip`: why), or leave it
+    to the benchmark it is a part of (`part_of`). `python` runs a .py; `report_env` names the variable that
+    tells the benchmark where to write its JSON report, when it writes one there instead of to stdout."""
+
+    args: tuple[str, ...] = ()
+    python: str = CORE
+    skip: str | None = None
+    part_of: str | None = None
+    report_env: str | None = None
+
+
+def run(*args: str, python: str = CORE) -> Entry:
+    return Entry(args=("--json", *args), python=python)
+
+
+ENTRIES: dict[str, Entry] = {
+    "actor_path.py": run("--requests", "3", "--blocks", "2", "--block-kib", "4"),
+    "aiperf.sh": Entry(skip="needs NVIDIA AIPerf (its own 1.2 GB venv from a registry) and a served endpoint"),
+    "aiperf_support.py": Entry(part_of="aiperf.sh"),
+    "checksum_kernel.py": run("--repeat", "1"),
+    "control_memory.py": run("--passes", "2", "--smoke"),
+    "cluster_sim.py": run("--nodes", "1,2", "--policies", "lru", "--max-requests", "30"),
+    "control_scale.py": run("--writers", "1", "--requests", "2", "--blocks", "2", "--trials", "1",
+                            "--decide-requests", "10", "--decide-capacity", "64"),
+    "control_plane.py": run("--tracked", "2000", "--request-blocks", "8", "--requests", "5"),
+    "gap_headroom.py": run("--smoke"),
+    "gpu_check.py": Entry(part_of="gpu_check.sh"),
+    "gpu_check.sh": Entry(args=("--dry-run",), report_env="GPU_CHECK_JSON"),
+    "gpu_common.py": Entry(part_of="gpu_check.sh"),
+    "gpu_nixl.py": Entry(part_of="gpu_check.sh"),
+    "gpu_paged.py": Entry(part_of="gpu_check.sh"),
+    "gpu_serving.py": Entry(part_of="gpu_check.sh"),
+    "gpu_sizing.py": Entry(part_of="gpu_check.sh"),
+    "gpu_tiers.py": Entry(part_of="gpu_check.sh"),
+    "harness.py": Entry(part_of="every benchmark (the shared timing and JSON helpers)"),
+    "hit_rate.py": run("--smoke"),
+    "hit_rate_unseen.py": run("--smoke"),
+    "index_lookup.py": run("--blocks", "500", "--prompt-blocks", "4", "--lookups", "10", "--inflight", "2",
+                           "--shards", "1,2"),
+    "move_round.py": run("--rounds", "1", "--warmup", "1", "--blocks", "2", "--block-kib", "4"),
+    "node_move.py": run("--blocks", "2", "--block-kib", "4", "--repeat", "1"),
+    "paged_nixl.py": run("--blocks", "1", "--layers", "2", "--repeat", "1"),
+    "pool_threads.py": run("--repeat", "1"),
+    "replay_speed.py": run("--repeat", "1"),
+    "replica_fetch.py": run("--blocks", "2", "--block-kib", "4", "--repeat", "1"),
+    "serving.py": run("--repeat", "1", "--replay-requests", "2", "--max-new-tokens", "2"),
+    "serving_commits.py": run("--smoke"),
+    "smoke.py": Entry(part_of="CI (this runner)"),
+    "soak.py": run("--seconds", "2", "--clients", "1", "--conversations", "1", "--clean-seconds", "1"),
+    "tier_bandwidth.py": run("--batches-kib", "256", "--trials", "1", "--repeat", "1"),
+    "vllm_replay.py": run("--datasets", "sharegpt", "--conversations", "1", "--max-turns", "2",
+                          "--max-new-tokens", "2", "--ttft-prompts", "0", python=VLLM),
+}
+
+
+def one_json_document(stdout: str) -> Any:
+    """The one JSON document `stdout` holds (surrounding whitespace aside); ValueError naming what else it holds."""
+    text = stdout.strip()
+    if not text:
+        raise ValueError("stdout is empty, expected one JSON document")
+    try:
+        doc, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"stdout is not JSON ({exc.msg} at char {exc.pos}): {text[:200]!r}") from None
+    rest = text[end:].strip()
+    if rest:
+        raise ValueError(f"stdout holds more than one JSON document; after the first comes {rest[:200]!r}")
+    return doc
+
+
+def benchmark_files(directory: Path = HERE) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.suffix in (".py", ".sh"))
+
+
+def unlisted(names: list[str], entries: dict[str, Entry] = ENTRIES) -> list[str]:
+    return [n for n in names if n not in entries]
+
+
+def command(script: Path, entry: Entry) -> list[str]:
+    if script.suffix == ".sh":
+        return ["bash", str(script), *entry.args]
+    return [str(REPO / entry.python), str(script), *entry.args]
+
+
+def smoke_one(script: Path, entry: Entry, timeout_s: float, scratch: Path) -> str | None:
+    """Run one benchmark; None when it passed, else what went wrong (with the tail of its stderr)."""
+    if script.suffix == ".py" and not (REPO / entry.python).exists():
+        return f"{entry.python} is missing: run scripts/setup.sh"
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(scratch / "ray")), "TMPDIR": str(scratch)}
+    report = scratch / f"{script.name}.json"
+    if entry.report_env:
+        env[entry.report_env] = str(report)
+    try:
+        done = subprocess.run(command(script, entry), cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return f"ran past {timeout_s:.0f} s\n{err[-STDERR_TAIL:]}"
+    if done.returncode != 0:
+        return f"exit status {done.returncode}\n{done.stderr[-STDERR_TAIL:]}"
+    try:
+        one_json_document(report.read_text() if entry.report_env else done.stdout)
+    except (ValueError, OSError) as exc:
+        return f"{exc}\n{done.stderr[-STDERR_TAIL:]}"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma-separated file names to run (default: all)")
+    parser.add_argument("--timeout-s", type=float, default=300, help="per benchmark")
+    args = parser.parse_args()
+    files = benchmark_files()
+    missing = unlisted(files)
+    if missing:
+        print(f"smoke: no entry in benchmarks/smoke.py ENTRIES for {', '.join(missing)}: add the arguments that "
+              "make it small (or why it cannot run)", file=sys.stderr)
+        return 1
+    wanted = files if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(files))
+    if unknown or not wanted:
+        parser.error(f"--only: no benchmark named {', '.join(unknown) or '(none given)'} in {HERE}")
+    failed, start = [], time.perf_counter()
+    for name in wanted:
+        entry = ENTRIES[name]
+        if entry.part_of or entry.skip:
+            print(f"skip {name}: " + (f"part of {entry.part_of}" if entry.part_of else entry.skip), flush=True)
+            continue
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kvc-smoke-", dir="/tmp") as scratch:
+            problem = smoke_one(HERE / name, entry, args.timeout_s, Path(scratch))
+        took = time.perf_counter() - t0
+        if problem is None:
+            print(f"ok   {name} {took:.1f} s", flush=True)
+        else:
+            failed.append(name)
+            print(f"FAIL {name} {took:.1f} s: {problem}", flush=True)
+    total = time.perf_counter() - start
+    print(f"smoke: {len(wanted) - len(failed)} of {len(wanted)} passed or skipped in {total:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

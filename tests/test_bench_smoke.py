@@ -1,0 +1,79 @@
+"""benchmarks/smoke.py: a benchmark passes only with exactly one JSON document on stdout and exit status 0, and
+every file in benchmarks/ has an entry, so none is left out of the smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SMOKE = Path(__file__).resolve().parents[1] / "benchmarks" / "smoke.py"
+_spec = importlib.util.spec_from_file_location("bench_smoke", SMOKE)
+smoke = sys.modules["bench_smoke"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(smoke)
+
+
+@pytest.mark.parametrize("stdout, expected", [
+    ('{"rows": [1, 2]}\n', {"rows": [1, 2]}),
+    ('\n  [{"a": 1}, {"b": 2}]  \n\n', [{"a": 1}, {"b": 2}]),
+    ("0.5", 0.5),
+])
+def test_one_json_document_passes(stdout: str, expected: object) -> None:
+    assert smoke.one_json_document(stdout) == expected
+
+
+@pytest.mark.parametrize("stdout, says", [
+    ("", "empty"),
+    (" \n\t\n", "empty"),
+    ('{"a": 1}\n{"a": 2}\n', "more than one"),
+    ('[1]\n[2]', "more than one"),
+    ('{"a": 1}\nraylet started\n', "more than one"),
+    ("| backend | batch |\n|---|---|\n", "not JSON"),
+    ("INFO worker.py: connecting\n{\"a\": 1}\n", "not JSON"),
+    ('{"a": 1', "not JSON"),
+])
+def test_anything_else_is_refused_with_the_reason(stdout: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        smoke.one_json_document(stdout)
+
+
+def test_a_file_without_an_entry_is_named(tmp_path: Path) -> None:
+    for name in ("tier_bandwidth.py", "new_bench.py", "new_tool.sh", "RESULTS.md"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "gpu_wheels").mkdir()
+    files = smoke.benchmark_files(tmp_path)
+    assert files == ["new_bench.py", "new_tool.sh", "tier_bandwidth.py"]
+    assert smoke.unlisted(files) == ["new_bench.py", "new_tool.sh"]
+
+
+def test_every_benchmark_here_has_an_entry() -> None:
+    assert smoke.unlisted(smoke.benchmark_files()) == []
+
+
+def fake(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "fake_bench.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+@pytest.mark.parametrize("body, says", [
+    ("import sys\nprint('[1]'); print('[2]')\n", "more than one"),
+    ("import sys\nprint('boom at step 3', file=sys.stderr); sys.exit(3)\n", "exit status 3\nboom at step 3"),
+    ("raise RuntimeError('the backend moved')\n", "RuntimeError: the backend moved"),
+    ("pass\n", "empty"),
+])
+def test_a_run_fails_with_what_went_wrong(tmp_path: Path, body: str, says: str) -> None:
+    problem = smoke.smoke_one(fake(tmp_path, body), smoke.Entry(), 60, tmp_path)
+    assert problem is not None and says in problem, problem
+
+
+def test_a_run_with_one_document_passes(tmp_path: Path) -> None:
+    script = fake(tmp_path, "import sys\nprint('noise', file=sys.stderr); print('{\"ok\": true}')\n")
+    assert smoke.smoke_one(script, smoke.Entry(), 60, tmp_path) is None
+
+
+def test_every_entry_names_a_file_here() -> None:
+    assert sorted(set(smoke.ENTRIES) - set(smoke.benchmark_files())) == []
