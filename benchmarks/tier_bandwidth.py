@@ -2,7 +2,9 @@
 
 References: numpy copy (hbm/dram/cxl), raw os.pwrite / os.preadv on the same
 directory (nvme), plain file write+read (pfs), one raw NIXL transfer between the
-same two agents and memory (rdma).
+same two agents and memory (rdma). pfs puts also face plain writes that sum each
+block first (`*_vs_summed_ref`): a pfs put must sum what it writes (its header
+holds the digest a read verifies), a plain write does not.
 Two kinds of put: "put", a new block whose digest the backend sums itself, and
 "demote", a block handed down with the digest the tier above verified when it
 read it (`put_many(items, digests)`): how every tier below the top receives
@@ -67,10 +69,15 @@ def ref_posix(directory: Path, blocks: list[np.ndarray], out: list[np.ndarray], 
     return put, get
 
 
-def ref_files(directory: Path, blocks: list[np.ndarray]):
-    """One plain file per block, written new each round (as the backend's puts are: fresh keys)."""
+def ref_files(directory: Path, blocks: list[np.ndarray], summed: bool = False):
+    """One plain file per block, written new each round (as the backend's puts are: fresh keys).
+
+    With `summed`, each block is summed (`checksum`) right before it is written: the least a file tier
+    that must tell a torn or corrupt file from a block has to do, which the plain write leaves out."""
     def put():
         for i, b in enumerate(blocks):
+            if summed:
+                checksum(b)
             with open(directory / f"ref{i}.bin", "wb") as f:
                 f.write(b)
 
@@ -125,6 +132,7 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     this VM's 8 MiB L3), far more than any change measured; the summary takes the median trial.
     """
     n = nbytes // BLOCK
+    extra_refs: dict = {}  # references beside the main one, for the puts of some backends
     # payloads and landing buffers are rows of two page-aligned host tensors: what a tier pool (dram, cxl)
     # hands the backend below it, which rdma moves without staging and nvme writes in place
     source, landing = aligned_host_tensor(n, BLOCK), aligned_host_tensor(n, BLOCK)
@@ -151,6 +159,7 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     elif name == "pfs":
         backend = PFSBackend(sub / "pfs", 1 << 34)
         ref_put, ref_get = ref_files(sub, blocks)
+        extra_refs["ref_put_summed"] = ref_files(sub, blocks, summed=True)[0]
     else:
         backend = {"hbm": hbm_backend, "dram": dram_backend, "cxl": cxl_backend}[name](n, BLOCK)
         ref_put, ref_get = ref_copy(blocks, out)
@@ -162,13 +171,15 @@ def measure(name: str, nbytes: int, sub: Path, space: KeySpace, repeat: int) -> 
     # backend and reference in turn each round (the order rotating), so both see the same moments of the machine
     puts = best_interleaved({"put": Case(lambda: backend.put_many(items), fresh),
                              "demote": Case(lambda: backend.put_many(items, digests), fresh),
-                             "ref_put": Case(ref_put, getattr(ref_put, "setup", None))}, repeat)
+                             "ref_put": Case(ref_put, getattr(ref_put, "setup", None)),
+                             **{k: Case(f, getattr(f, "setup", None)) for k, f in extra_refs.items()}}, repeat)
     backend.put_many(items)
     gets = best_interleaved({"get": lambda: backend.get_many(keys, out), "ref_get": ref_get}, repeat)
     if any(g is None for g in backend.get_many(keys, out)):
         raise SystemExit(f"{name}: blocks were lost during the run; its figures are void")
     trial = {"medium": backend.medium, "emulated": backend.emulated, "put_s": puts["put"], "demote_s": puts["demote"],
-             "ref_put_s": puts["ref_put"], "get_s": gets["get"], "ref_get_s": gets["ref_get"]}
+             "ref_put_s": puts["ref_put"], "get_s": gets["get"], "ref_get_s": gets["ref_get"],
+             **{f"{k}_s": puts[k] for k in extra_refs}}
     if hasattr(backend, "close"):
         backend.close()
     shutil.rmtree(sub, ignore_errors=True)  # this trial's slab and files: up to 4x the batch on disk
@@ -180,6 +191,11 @@ def summarize(name: str, nbytes: int, trials: list[dict]) -> dict:
     med = lambda key: float(np.median([t[key] for t in trials]))  # noqa: E731
     ratio = lambda ref, own: float(np.median([t[ref] / t[own] for t in trials]))  # noqa: E731
     n = nbytes // BLOCK
+    summed = {}
+    if "ref_put_summed_s" in trials[0]:  # the pfs puts against plain file writes that also sum each block
+        summed = {"ref_put_summed_gbps": nbytes / med("ref_put_summed_s") / 1e9,
+                  "put_vs_summed_ref": ratio("ref_put_summed_s", "put_s"),
+                  "demote_vs_summed_ref": ratio("ref_put_summed_s", "demote_s")}
     return {
         "backend": name, "medium": trials[0]["medium"], "emulated": trials[0]["emulated"], "batch_bytes": nbytes,
         "block_bytes": BLOCK, "trials": len(trials),
@@ -192,6 +208,7 @@ def summarize(name: str, nbytes: int, trials: list[dict]) -> dict:
         "trial_put_vs_ref": [t["ref_put_s"] / t["put_s"] for t in trials],
         "trial_demote_vs_ref": [t["ref_put_s"] / t["demote_s"] for t in trials],
         "put_latency_us_per_block": med("put_s") / n * 1e6, "get_latency_us_per_block": med("get_s") / n * 1e6,
+        **summed,
     }
 
 
@@ -238,6 +255,10 @@ def main() -> int:
               f"{r['demote_gbps']:.2f} | {r['ref_put_gbps']:.2f} | {r['put_vs_ref']:.0%} | {r['demote_vs_ref']:.0%} | "
               f"{r['get_gbps']:.2f} | {r['ref_get_gbps']:.2f} | {r['get_vs_ref']:.0%} | {r['get_latency_us_per_block']:.0f} |")
     print("\nmedia: " + "; ".join(sorted({f"{r['backend']}: {r['medium']}" for r in rows})))
+    for r in (r for r in rows if "put_vs_summed_ref" in r):
+        print(f"{r['backend']} {r['batch_bytes'] >> 10:,} KiB against plain writes that sum each block "
+              f"({r['ref_put_summed_gbps']:.2f} GB/s): put {r['put_vs_summed_ref']:.0%}, "
+              f"demote {r['demote_vs_summed_ref']:.0%}")
     return 0
 
 

@@ -8,8 +8,12 @@ the same key on several nodes leave exactly one complete file, and a reader
 never sees a partial one. A key already on file is not written again (equal keys
 mean equal KV), so a popular prefix written back by many replicas costs one
 file. A file that fails its checks is a miss and is removed, and the next put
-writes it afresh. A put sums its payloads on another core while it writes them
-(`BatchWorkers.ahead`); a get sums each 256 KiB as it lands (`copyhash.pread_hash`).
+writes it afresh. A put sums each payload right before it writes it, header and
+payload in one `pwritev`, so the write reads the bytes the sum just brought into
+cache; summing on another core during the write measured slower (0.71x against
+0.82x of a plain file write on 2 MiB blocks, 2-core VM): the two passes then
+compete for memory bandwidth, and the rename, not the header, publishes the file.
+A get sums each 256 KiB as it lands (`copyhash.pread_hash`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -27,7 +31,6 @@ from ..keys import KEY_BYTES, BlockKey
 from .aligned import aligned_empty
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes, host_out
 from .copyhash import pread_hash
-from .parallel import BatchWorkers
 
 MAGIC = b"KVCB"
 HEADER = struct.Struct("<4sHxxQQ")  # magic, version, length, checksum
@@ -52,7 +55,6 @@ class PFSBackend(StorageBackend):
         self._capacity = capacity_bytes
         self._base = str(self.base)
         self._dirs: set[str] = set()
-        self._workers = BatchWorkers()
         self._stats = BackendStats()
 
     def path_for(self, key: BlockKey) -> Path:
@@ -67,8 +69,8 @@ class PFSBackend(StorageBackend):
 
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
                  digests: Sequence[int | None] | None = None) -> list[bool]:
-        """Each new block to a temp file renamed into place, summed on another core while it is written; a
-        payload whose sum differs from its given digest changed since it was verified and is refused."""
+        """Each new block summed, written to a temp file and renamed into place; a payload whose sum differs
+        from its given digest changed since it was verified and is refused (never acknowledged)."""
         ok = [False] * len(items)
         given = given_digests(digests, len(items))
         todo: list[tuple[int, str, memoryview]] = []
@@ -85,17 +87,15 @@ class PFSBackend(StorageBackend):
                 todo.append((i, file, view))
                 batch.add(file)
                 room -= view.nbytes
-        # summed on another core while this thread writes the payloads; a given digest must match the sum
-        # before the file is renamed into place (the caller may drop its own copy on our True)
-        summed = self._workers.ahead(checksum, [view for _, _, view in todo], sum(view.nbytes for _, _, view in todo))
-        for (i, file, view), digest in zip(todo, summed):
+        for i, file, view in todo:
+            digest = checksum(view)
+            if given[i] is not None and digest != given[i]:  # the caller may drop its own copy on our True
+                self._stats.put_failures += 1
+                self._stats.digest_mismatches += 1
+                continue
             tmp = f"{os.path.dirname(file)}/.{os.path.basename(file)}.{os.urandom(8).hex()}.tmp"
             try:
-                if not self._write(tmp, view, digest, given[i]):
-                    os.unlink(tmp)
-                    self._stats.put_failures += 1
-                    self._stats.digest_mismatches += 1
-                    continue
+                self._write(tmp, view, digest)
                 os.replace(tmp, file)
             except OSError:  # no space, read-only or vanished mount: this block stays a miss
                 try:
@@ -139,26 +139,24 @@ class PFSBackend(StorageBackend):
             results.append(dst)
         return results, verified
 
-    def _write(self, tmp: str, view: memoryview, digest: Callable[[], int], expected: int | None) -> bool:
-        """A new temp file: the payload after the header's place, then the header once the digest is in.
-        False (no header written) when the payload's sum differs from the `expected` digest it came with."""
+    def _write(self, tmp: str, view: memoryview, digest: int) -> None:
+        """A new temp file holding the header and the payload, in one write (continued after a short one)."""
         directory = os.path.dirname(tmp)
         if directory not in self._dirs:
             os.makedirs(directory, exist_ok=True)
             self._dirs.add(directory)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            done = 0
-            while done < view.nbytes:
-                wrote = os.pwrite(fd, view[done:], HEADER.size + done)
+            pieces, offset = [memoryview(HEADER.pack(MAGIC, VERSION, view.nbytes, digest)), view], 0
+            while pieces:
+                wrote = os.pwritev(fd, pieces, offset)
                 if wrote == 0:
                     raise OSError(errno.ENOSPC, "no space left for the block file")
-                done += wrote
-            summed = digest()
-            if expected is not None and summed != expected:
-                return False
-            os.pwrite(fd, HEADER.pack(MAGIC, VERSION, view.nbytes, summed), 0)
-            return True
+                offset += wrote
+                while pieces and wrote >= pieces[0].nbytes:
+                    wrote -= pieces.pop(0).nbytes
+                if wrote:
+                    pieces[0] = pieces[0][wrote:]
         finally:
             os.close(fd)
 
