@@ -153,6 +153,7 @@ def _drive(trace: PreparedTrace, control, writer: NodeWriter, n_tiers: int, bloc
                 ahead += 1
         if progress is not None:
             progress(1)
+    writer.flush()
     return hits, wrong, time.perf_counter() - started
 
 

@@ -56,6 +56,8 @@ def payload_bytes(value) -> int:
     if isinstance(value, dict):
         return sum(payload_bytes(k) + payload_bytes(v) for k, v in value.items())
     if isinstance(value, (list, tuple, set)):
+        if all(type(v) is bytes for v in value):  # a list of keys, the common case: lengths only
+            return sum(n for n in map(len, value) if n > 64)
         return sum(payload_bytes(v) for v in value)
     return 0
 
@@ -71,7 +73,7 @@ class NodeControlActor:
         self.mover = RemoteMover([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain],
                                  [name for _, name, _ in chain])
         manager = CacheManager([TierPlan(label, cap) for label, _, cap in chain], policy,
-                               policy_options=policy_options)
+                               policy_options=policy_options, record_events=False)  # the index hears the tiers
         self.control = NodeController(manager, self.mover, lease_s)
         self.payload_bytes = 0
         self.adopted = self._adopt()
@@ -95,21 +97,26 @@ class NodeControlActor:
     # ---- stores: prepare (room made, destinations back), the caller writes, complete ---------------------
 
     def prepare_store(self, keys: list[bytes], new: list[bytes], ctx: RequestContext | None = None
-                      ) -> tuple[int, list[tuple[str, list[bytes]]]]:
+                      ) -> tuple[int, list[tuple[str, list[bytes], list[bytes]]]]:
         """Place a request served on this node; returns the plan id and, per tier actor, the new blocks the
-        caller writes there."""
+        caller writes there and the victims it deletes there first (in the same `put_many`)."""
         self._guard(keys, new, ctx)
         ticket = self.control.prepare_store(keys, new, ctx)
         self._account(len(new), sum(len(ks) for ks in ticket.writes.values()))
         if self.gap_every and self.control.counters["stores"] % self.gap_every == 0:
             self._sync_gap()
-        return ticket.plan_id, [(self.mover.names[t], ks) for t, ks in sorted(ticket.writes.items())]
+        return ticket.plan_id, [(self.mover.names[t], ks, ticket.evict.get(t, []))
+                                for t, ks in sorted(ticket.writes.items())]
 
-    def complete_store(self, plan_id: int, landed: list[tuple[str, list[bytes]]], failed: list[bytes]) -> bool:
-        """The writer put its ticket's blocks into `landed`'s tier actors, except `failed`."""
-        self._guard(landed, failed)
-        tiers = {self.mover.names.index(name): keys for name, keys in landed if name in self.mover.names}
-        done = self.control.complete_store(plan_id, failed, tiers)
+    def complete_store(self, plan_id: int, written: list[tuple[str, list[bytes], list[bytes]]],
+                       failed: list[bytes]) -> bool:
+        """The writer put its ticket's blocks into `written`'s tier actors (after deleting their victims),
+        except `failed`."""
+        self._guard(written, failed)
+        index = {name: t for t, name in enumerate(self.mover.names)}
+        landed = {index[name]: keys for name, keys, _ in written if name in index}
+        evicted = {index[name]: gone for name, _, gone in written if name in index and gone}
+        done = self.control.complete_store(plan_id, failed, landed, evicted)
         metrics.control_tracked().set(self.manager.tracked(), {"node": self.node, "kind": "keys"})
         metrics.control_tracked().set(self.manager.sessions_known(), {"node": self.node, "kind": "sessions"})
         return done

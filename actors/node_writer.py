@@ -4,9 +4,11 @@ One store is three steps, batched per request: `prepare_store` on the node's
 controller (keys and context only: it places the request with the policy, makes
 room and names the tier actor each new block goes to), one `put_many` per tier
 actor named, all in flight together (the payloads go from this process to the
-tier through the node's object store, never through the controller), then
-`complete_store` with what landed. The controller's answer to the completion is
-awaited, so a writer's stores reach the controller in order.
+tier through the node's object store, never through the controller; the victims
+the controller handed over are deleted first in the same call), then
+`complete_store` with what landed, sent without waiting: a writer's calls reach
+the controller in order, and its answer is checked at the next store (`flush`
+checks it now).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class NodeWriter:
         self.namespace = namespace
         self._control = None
         self._tiers: dict[str, object] = {}
+        self._last = None  # (plan id, writes, failed, completion ref) of the last store, until checked
         self.counters = {"stores": 0, "written": 0, "refused": 0, "unplaced": 0, "control_unavailable": 0}
 
     def control(self):
@@ -50,6 +53,7 @@ class NodeWriter:
         """Place the request `keys` served on this node and write its `new` blocks where the controller says.
         Returns how many new blocks landed in a tier. No controller (down, restarting): nothing is written,
         the blocks stay with the caller (misses elsewhere, never wrong)."""
+        self._settle_last()
         try:
             plan_id, writes = ray.get(self.control().prepare_store.remote(list(keys), list(new), ctx),
                                       timeout=self.timeout_s)
@@ -61,14 +65,15 @@ class NodeWriter:
             return 0
         self.counters["stores"] += 1
         refs, failed = {}, []
-        for name, ks in writes:
+        for name, ks, evict in writes:
             try:
                 refs[name] = self._tier(name).put_many.remote(
-                    ks, [new[k] for k in ks], None if pairs is None else [pairs.get(k, 0) for k in ks])
+                    ks, [new[k] for k in ks], None if pairs is None else [pairs.get(k, 0) for k in ks], False,
+                    None, evict)
             except ValueError:  # the tier actor is gone: its blocks are refused
                 self._tiers.pop(name, None)
                 failed.extend(ks)
-        for name, ks in writes:
+        for name, ks, _ in writes:
             if name not in refs:
                 continue
             try:
@@ -77,21 +82,37 @@ class NodeWriter:
                 self._tiers.pop(name, None)
                 ok = [False] * len(ks)
             failed.extend(k for k, good in zip(ks, ok) if not good)
-        placed = sum(len(ks) for _, ks in writes)
+        placed = sum(len(ks) for _, ks, _ in writes)
         self.counters["written"] += placed - len(failed)
         self.counters["refused"] += len(failed)
         self.counters["unplaced"] += len(new) - placed
-        for attempt in range(2):  # a controller that died during the call is asked again once it restarted
-            try:
-                ray.get(self.control().complete_store.remote(plan_id, writes, failed), timeout=self.timeout_s)
-                break
-            except (ValueError, ray.exceptions.RayError, TimeoutError):
-                self._control = None
-                self.counters["control_unavailable"] += 1
+        self._last = (plan_id, writes, failed, self.control().complete_store.remote(plan_id, writes, failed))
         return placed - len(failed)
 
+    def _settle_last(self) -> None:
+        """The previous store's completion, sent without waiting (a writer's calls reach the controller in
+        order): checked here, and sent once more if the controller died meanwhile (the restarted one then
+        reconciles what landed with what it adopted)."""
+        if self._last is None:
+            return
+        plan_id, writes, failed, ref = self._last
+        self._last = None
+        try:
+            ray.get(ref, timeout=self.timeout_s)
+        except (ValueError, ray.exceptions.RayError, TimeoutError):
+            self._control = None
+            self.counters["control_unavailable"] += 1
+            try:
+                ray.get(self.control().complete_store.remote(plan_id, writes, failed), timeout=self.timeout_s)
+            except (ValueError, ray.exceptions.RayError, TimeoutError):
+                self._control = None
+
+    def flush(self) -> None:
+        """Wait until the last store's completion reached the controller."""
+        self._settle_last()
+
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
-        """How the answer to `session`'s latest request ended (after its stores, which were awaited)."""
+        """How the answer to `session`'s latest request ended (ordered after its stores: same caller, same actor)."""
         try:
             self.control().answered.remote(session, finish, output_tokens)
         except (ValueError, ray.exceptions.RayError):

@@ -1,14 +1,14 @@
 """A node controller's moves between its own tier actors, with the bytes going tier to tier.
 
-A `StorePlan`'s moves (promotions, demotions, drops) run in the executor's three
-rounds (`kvcluster.plan_executor`): read every moving block at its source, delete
-them there (which makes the room the policy counted on), write them where they
-land. Here the reads' results stay in Ray's object store: the controller holds
-only their `ObjectRef`s and passes each to the destination tier actor as a call
-argument, which Ray resolves there (`TierActor.put_read`). So the bytes go source
-tier -> object store -> destination tier on the node, and never through the
-controller's process; it waits for the reads to finish (`fetch_local=False`)
-before it deletes, so no block is deleted before its copy exists.
+A `StorePlan`'s moves (promotions, demotions, drops) run in two rounds: read
+every moving block at its source, then in one call per tier actor, all in flight
+together, delete what leaves that tier (the room the policy counted on) and write
+what lands there. The reads' results stay in Ray's object store: the controller
+holds only their `ObjectRef`s and passes each to the destination tier actor as a
+call argument, which Ray resolves there (`TierActor.put_read`). So the bytes go
+source tier -> object store -> destination tier on the node, and never through
+the controller's process; it waits for the reads to finish (`fetch_local=False`)
+before anything is deleted, so no block is deleted before its copy exists.
 """
 
 from __future__ import annotations
@@ -44,9 +44,16 @@ class RemoteMover:
         unread = self._wait(reads)
         failed = [k for pair in unread for k in pairs[pair]]
         deletes = plan.deletes()
-        self._gather({t: self.actors[t].delete.remote(ks) for t, ks in deletes.items()}, "delete")
-        writes = {pair: self.actors[pair[1]].put_read.remote(pairs[pair], ref)
-                  for pair, ref in reads.items() if pair not in unread}
+        writes, evicted = {}, set()
+        for pair, ref in reads.items():  # a tier's first write deletes what leaves it (its calls run in order)
+            if pair in unread:
+                continue
+            dst = pair[1]
+            evict = deletes.get(dst) if dst not in evicted else None
+            evicted.add(dst)
+            writes[pair] = self.actors[dst].put_read.remote(pairs[pair], ref, evict)
+        only_deleted = {t: self.actors[t].delete.remote(ks) for t, ks in deletes.items() if t not in evicted}
+        self._gather(only_deleted, "delete")
         for pair, ok in self._gather(writes, "write").items():
             keys = pairs[pair]
             failed.extend(keys if ok is None else [k for k, good in zip(keys, ok) if not good])

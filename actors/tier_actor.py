@@ -100,19 +100,26 @@ class TierActor(PeerServer):
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 
     def put_many(self, keys: list[bytes], payloads: list[np.ndarray], pairs: list[int] | None = None,
-                 prefetch: bool = False, digests: list[int | None] | None = None) -> list[bool]:
+                 prefetch: bool = False, digests: list[int | None] | None = None,
+                 evict: list[bytes] | None = None) -> list[bool]:
         """Store blocks; `prefetch`: the caller promoted them here ahead of use (tracked until read or
         deleted); `digests`: the checksums the tier they were read from verified (see
-        `StorageBackend.put_many`). In a cluster the node's controller made the room first, and the
-        writer (an engine with new blocks) tells it which puts were refused."""
+        `StorageBackend.put_many`); `evict`: blocks the node's controller let go from this tier, deleted
+        first in the same call (the room these take). In a cluster the node's controller decided the room,
+        and the writer (an engine with new blocks) tells it which puts were refused."""
+        if evict:
+            self.delete(evict)
         ok = self._write(keys, payloads, digests)
         self._stored(keys, ok, pairs, prefetch)
         return ok
 
-    def put_read(self, keys: list[bytes], read: tuple[list[np.ndarray | None], list[int | None]]) -> list[bool]:
+    def put_read(self, keys: list[bytes], read: tuple[list[np.ndarray | None], list[int | None]],
+                 evict: list[bytes] | None = None) -> list[bool]:
         """Blocks another tier actor of this node read (`read_verified`'s answer, passed by the node
         controller as an object reference and resolved here): a move whose bytes never pass through the
-        controller. A block the source could not read is refused (False)."""
+        controller. A block the source could not read is refused (False). `evict`: as for `put_many`."""
+        if evict:
+            self.delete(evict)
         payloads, digests = read
         present = [i for i, p in enumerate(payloads) if p is not None]
         ok = [False] * len(keys)

@@ -4,9 +4,13 @@ Ingest: `--writers` writer actors on one node each store `--requests` requests o
 `--blocks` new blocks of the cluster model's size (`configs/cluster/local.yaml`:
 128 KiB) through `NodeWriter` (the path replicas and the vLLM connector take:
 `prepare_store` on the node's controller, one `put_many` per tier actor it names,
-`complete_store`). The reference, in the same run and interleaved with it, is
-the same writers putting the same blocks straight into the node's dram tier actor
-with `put_many` (then deleting them). `ingest_vs_direct` is the store path's
+`complete_store`), the controller running `lru` so that every new block is
+admitted and both paths write the same bytes (`bayes` may let a new block go at
+once, which would flatter the store path). The dram tier holds one trial's blocks
+and keys are fresh every trial, so from the second trial on every store also
+evicts. The reference, in the same run and interleaved with it, is the same
+writers putting the same blocks straight into the node's dram tier actor with
+`put_many` (then deleting them; the slab has room for them beside the stored ones). `ingest_vs_direct` is the store path's
 throughput over the reference's (goal >= 0.8). The controller's `payload_bytes`
 (KV bytes that reached it inside a call's arguments) is `control_payload_bytes`
 (goal: 0).
@@ -78,6 +82,7 @@ class Writer:
                 ok = ray.get(self.dram.put_many.remote(keys, [self.payload] * blocks))
                 landed += sum(ok)
                 ray.get(self.dram.delete.remote(keys))
+        self.writer.flush()
         return landed
 
 
@@ -85,13 +90,15 @@ def ingest(args, block_bytes: int, tmp: str) -> dict:
     here = ray.get_runtime_context().get_node_id()
     start_global_actors(os.path.join(tmp, "predictor"))
     per_trial = args.writers * args.requests * args.blocks
-    dram = start_tier_actor(TierActorConfig(node=NODE, tier="dram", slots=per_trial, slot_bytes=block_bytes), here)
+    in_flight = args.writers * args.blocks  # the reference's puts, each deleted before the writer's next
+    dram = start_tier_actor(TierActorConfig(node=NODE, tier="dram", slots=per_trial + in_flight,
+                                            slot_bytes=block_bytes), here)
     ray.get(dram.describe.remote())
     control = NodeControlActor.options(name=control_name(NODE), namespace=NAMESPACE).remote(
-        NODE, [(f"{NODE}/dram", actor_name(NODE, "dram"), per_trial)], "bayes", None, block_bytes, 32)
+        NODE, [(f"{NODE}/dram", actor_name(NODE, "dram"), per_trial)], "lru", None, block_bytes, 32)
     ray.get(control.stats.remote())
     writers = [Writer.remote(NODE, block_bytes, i) for i in range(args.writers)]
-    ray.get([w.run.remote("direct", 0, 1, args.blocks) for w in writers])  # warm: connections, first puts
+    ray.get([w.run.remote("direct", 0, 1, args.blocks) for w in writers])  # warm: connections, first puts (uncounted)
     seconds: dict[str, list[float]] = {"store": [], "direct": []}
     landed: dict[str, int] = {"store": 0, "direct": 0}
     for trial in range(1, args.trials + 1):
@@ -107,7 +114,7 @@ def ingest(args, block_bytes: int, tmp: str) -> dict:
             "store_mb_s": round(nbytes / best["store"] / 1e6, 1), "direct_mb_s": round(nbytes / best["direct"] / 1e6, 1),
             "store_blocks_s": round(per_trial / best["store"]), "direct_blocks_s": round(per_trial / best["direct"]),
             "ingest_vs_direct": round(best["direct"] / best["store"], 3),
-            "landed": landed, "expected_per_path": per_trial * args.trials,
+            "landed": landed, "expected_per_path": per_trial * args.trials, "ingest_policy": "lru",
             "control_payload_bytes": stats["payload_bytes"], "controller": {
                 k: stats[k] for k in ("stores", "written", "refused", "moves", "move_failures", "in_flight")},
             "_control": control}
@@ -130,7 +137,7 @@ class RecordingMover:
 def decisions(args) -> dict:
     """Blocks placed per second by one `NodeController` (bayes, evicting and demoting), in this process."""
     cap = args.decide_capacity
-    manager = CacheManager([TierPlan("dram", cap), TierPlan("nvme", 4 * cap)], "bayes")
+    manager = CacheManager([TierPlan("dram", cap), TierPlan("nvme", 4 * cap)], "bayes", record_events=False)
     control = NodeController(manager, RecordingMover())
     sessions = 64
     keys = [stand_in_key(i) for i in range(args.decide_requests * args.blocks)]

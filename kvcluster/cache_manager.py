@@ -86,7 +86,8 @@ class Event:
 
 class CacheManager:
     def __init__(self, plan: Sequence[TierPlan], policy: str = "lru", *, policy_options: dict | None = None,
-                 predictor_config: PredictorConfig | None = None, keys_swept_from: int = MIN_KEYS_SWEPT) -> None:
+                 predictor_config: PredictorConfig | None = None, keys_swept_from: int = MIN_KEYS_SWEPT,
+                 record_events: bool = True) -> None:
         self.names = [t.name for t in plan]
         self.policy = policy
         self.hierarchy: Hierarchy = build_hierarchy(policy, plan, predictor_config, policy_options=policy_options)
@@ -97,6 +98,7 @@ class CacheManager:
         self._pins: Counter = Counter()  # block id -> readers copying it out
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
+        self.record_events = record_events  # off for an owner that reads none (a node controller)
         self._requests = 0
         self.prefetcher = Prefetcher(lead_s=0.0)  # the lead is the caller's: it says which requests are queued
 
@@ -289,7 +291,11 @@ class CacheManager:
         """The data plane carried `plan` out except for `failed` blocks (unreadable source, refused
         write): those leave the tier the plan put them in."""
         failed = set(failed)
+        if not self.record_events and not failed:
+            return  # nothing to undo, and nobody reads the events
         for m in plan.moves:
+            if not self.record_events and m.key not in failed:
+                continue
             if m.key in failed:
                 i = self._ids.get(m.key)
                 if m.dst is not None and i is not None:  # a key let go since is in no tier

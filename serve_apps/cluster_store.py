@@ -380,5 +380,5 @@ class ClusterBlockStore:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every store and answer handed to the saver thread so far has reached the controller."""
-        self._saver.submit(lambda: None).result(timeout=timeout_s)
+        self._saver.submit(lambda: self.writer is not None and self.writer.flush()).result(timeout=timeout_s)
 

@@ -227,6 +227,7 @@ def test_a_node_controller_pools_what_its_policy_learns_through_the_predictor(cl
         landed = writer.store(keys[: i + 1], {keys[i]: payload(i)}, RequestContext(index=i, now=float(i), session="s"))
         assert landed == 1
     assert all(np.array_equal(g, payload(j)) for j, g in enumerate(ray.get(dram.get_many.remote(keys))))
+    writer.flush()
     stats = ray.get(control.stats.remote())
     assert stats["gap_syncs"] == 3  # at start, then after stores 2 and 4
     assert stats["payload_bytes"] == 0 and stats["written"] == 4 and stats["in_flight"] == 0
@@ -267,6 +268,9 @@ def test_a_replica_store_passes_a_late_answer_to_its_hbm_policy_and_the_control_
 
         def answered(self, session, finish, output_tokens) -> None:
             self.told.append((session, finish, output_tokens))
+
+        def flush(self) -> None:
+            pass
 
     hbm = LocalBlockStore(TieredStore([hbm_backend(8, 64)], 64, "bayes"))
     store = ClusterBlockStore.__new__(ClusterBlockStore)  # the replica side only: no index or predictor actor

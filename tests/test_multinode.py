@@ -220,7 +220,9 @@ def test_each_node_controller_places_its_own_writers_blocks_and_a_reader_copies_
                                                   scheduling_strategy=pinned(where)).remote(
             node, [(f"{node}/dram", f"kvcluster/{node}/dram", 8)], "lru")
     data = [np.random.default_rng(10 + i).integers(0, 255, 40_000, dtype=np.uint8) for i in range(3)]
-    assert NodeWriter("h").store(KEYS[:3], dict(zip(KEYS[:3], data))) == 3  # computed on the head
+    head_writer = NodeWriter("h")
+    assert head_writer.store(KEYS[:3], dict(zip(KEYS[:3], data))) == 3  # computed on the head
+    head_writer.flush()
     assert all(np.array_equal(g, d) for g, d in zip(ray.get(drams["h"].get_many.remote(KEYS[:3])), data))
     assert ray.get(drams["b"].get_many.remote(KEYS[:3])) == [None] * 3
     wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS[:3])).length == 3)
@@ -239,6 +241,24 @@ def test_each_node_controller_places_its_own_writers_blocks_and_a_reader_copies_
     assert [s["payload_bytes"] for s in stats.values()] == [0, 0]
     assert ray.get(controls["b"].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())) \
         == node_b.node_id
+
+    # the head's controller dies: only the head's placements pause; B's go on; nothing the head's tier holds is lost
+    ray.kill(controls["h"], no_restart=True)
+    more = [np.random.default_rng(30 + i).integers(0, 255, 40_000, dtype=np.uint8) for i in range(1)]
+    paused = NodeWriter("h", timeout_s=30)
+    assert paused.store(KEYS[3:4], {KEYS[3]: more[0]}) == 0 and paused.counters["control_unavailable"] == 1
+    assert ray.get(drams["h"].get_many.remote(KEYS[3:4])) == [None]  # not written: a miss, never unplaced bytes
+    b_writer = NodeWriter("b")
+    assert b_writer.store(KEYS[3:4], {KEYS[3]: more[0]}) == 1
+    b_writer.flush()
+    controls["h"] = NodeControlActor.options(name=control_name("h"), namespace=NAMESPACE,
+                                             scheduling_strategy=pinned(head_id)).remote(
+        "h", [("h/dram", "kvcluster/h/dram", 8)], "lru")
+    assert ray.get(controls["h"].stats.remote())["adopted"] == 3  # its view rebuilt from its own tier
+    head_writer = NodeWriter("h")
+    assert head_writer.store(KEYS[3:4], {KEYS[3]: more[0]}) == 1  # and placing again
+    head_writer.flush()
+    assert ray.get(controls["h"].stats.remote())["written"] == 1
     for actor in (*controls.values(), *drams.values(), index, predictor):
         ray.kill(actor, no_restart=True)
 

@@ -45,7 +45,9 @@ def make(capacities=(2, 4), policy="lru", lease_s=60.0):
 
 
 def write(tiers: DictTiers, ticket, refuse=()) -> list[bytes]:
-    """The writer's copy: every block of the ticket into its tier, except those refused; returns the failed."""
+    """The writer's copy: the ticket's victims out of each tier it writes, then every block of the ticket into its
+    tier, except those refused; returns the failed."""
+    tiers.delete(ticket.evict)
     failed = []
     for t, keys in ticket.writes.items():
         ok = tiers.write({t: ([k for k in keys if k not in refuse], [payload_of(k) for k in keys if k not in refuse],
@@ -150,3 +152,18 @@ def test_bookkeeping_equals_the_tiers_after_every_settled_ticket(requests, polic
         control.complete_store(*late)
     assert control.in_flight() == 0
     assert_match(control, tiers)
+
+
+def test_a_drop_from_the_tier_the_writer_fills_is_handed_to_the_writer() -> None:
+    """One tier: the victims of a store only make room for the writer's own blocks, so the writer deletes them in
+    the call that writes (no call of the controller's own); the bookkeeping still equals the tier after it."""
+    control, tiers, _ = make(capacities=(2,))
+    ks = [key_of(i) for i in range(1, 5)]
+    first = control.prepare_store(ks[:2], ks[:2])
+    control.complete_store(first.plan_id, write(tiers, first))
+    second = control.prepare_store(ks[2:], ks[2:])
+    assert second.evict == {0: ks[:2]} and set(tiers.tiers[0]) == set(ks[:2])  # the controller deleted nothing
+    assert control.mover.runs == 0
+    control.complete_store(second.plan_id, write(tiers, second))
+    assert_match(control, tiers)
+    assert tiers.refused == 0
