@@ -16,6 +16,7 @@ cluster's through the predictor actor, so statistics stay global.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import ray
@@ -34,6 +35,7 @@ from .plan_mover import CALL_TIMEOUT_S, RemoteMover
 from .predictor_actor import PREDICTOR_NAME
 
 log = logging.getLogger(__name__)
+GAP_SYNC_MIN_S = 5.0
 
 
 def control_name(node: str) -> str:
@@ -65,9 +67,13 @@ def payload_bytes(value) -> int:
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class NodeControlActor:
     def __init__(self, node: str, chain: list[tuple[str, str, int]], policy: str, policy_options: dict | None = None,
-                 block_bytes: int = 0, gap_sync_every: int = 0, lease_s: float = DEFAULT_LEASE_S) -> None:
+                 block_bytes: int = 0, gap_sync_every: int = 0, lease_s: float = DEFAULT_LEASE_S,
+                 gap_sync_min_s: float = GAP_SYNC_MIN_S) -> None:
         """`chain`: the node's tiers as (label, tier actor name, capacity in blocks), fastest first;
-        `block_bytes`: a block's payload, for the bytes-moved metric."""
+        `block_bytes`: a block's payload, for the bytes-moved metric; the reuse-gap counts are pooled every
+        `gap_sync_every` stores, and at most once per `gap_sync_min_s` seconds (a sync moves the whole count
+        table both ways, ~100 KB for `bayes`: at a thousand nodes the predictor's inbound traffic is what this
+        interval bounds, see docs/scaling.md)."""
         self.node, self.policy, self.block_bytes = node, policy, block_bytes
         self.labels = [label for label, _, _ in chain]
         self.mover = RemoteMover([ray.get_actor(name, namespace=NAMESPACE) for _, name, _ in chain],
@@ -79,6 +85,8 @@ class NodeControlActor:
         self.adopted = self._adopt()
         self.resyncs = 0
         self.gap_every = gap_sync_every
+        self.gap_min_s = gap_sync_min_s
+        self._gap_at = float("-inf")
         first = manager.hierarchy.policies[0]  # the policy that sees every request
         self.gap_syncs = [GapSync(first.model)] if isinstance(getattr(first, "model", None), GapModel) else []
         self.gap_synced = 0
@@ -103,7 +111,8 @@ class NodeControlActor:
         self._guard(keys, new, ctx)
         ticket = self.control.prepare_store(keys, new, ctx)
         self._account(len(new), sum(len(ks) for ks in ticket.writes.values()))
-        if self.gap_every and self.control.counters["stores"] % self.gap_every == 0:
+        if self.gap_every and self.control.counters["stores"] % self.gap_every == 0 \
+                and time.monotonic() - self._gap_at >= self.gap_min_s:
             self._sync_gap()
         return ticket.plan_id, [(self.mover.names[t], ks, ticket.evict.get(t, []))
                                 for t, ks in sorted(ticket.writes.items())]
@@ -193,6 +202,7 @@ class NodeControlActor:
         """One round trip to the predictor: this node's new counts in, the cluster's totals back."""
         if not self.gap_syncs:
             return
+        self._gap_at = time.monotonic()
         try:
             predictor = ray.get_actor(PREDICTOR_NAME, namespace=NAMESPACE)
             sync_all(self.gap_syncs, lambda delta: ray.get(predictor.merge_gap.remote(delta), timeout=CALL_TIMEOUT_S))

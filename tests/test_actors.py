@@ -221,7 +221,7 @@ def test_a_node_controller_pools_what_its_policy_learns_through_the_predictor(cl
     chain = [("n0/dram", "kvcluster/n0/dram", 8), ("n0/pfs", "kvcluster/n0/pfs", 64)]
     keys = [bytes(k) for k in KeySpace(model="gap").chain_hash_ids(list(range(4)))]
     control = NodeControlActor.options(name=control_name("n0"), namespace=NAMESPACE).remote(
-        "n0", chain, "bayes", None, 4096, 2)
+        "n0", chain, "bayes", None, 4096, 2, gap_sync_min_s=0.0)
     writer = NodeWriter("n0")
     for i in range(4):
         landed = writer.store(keys[: i + 1], {keys[i]: payload(i)}, RequestContext(index=i, now=float(i), session="s"))
