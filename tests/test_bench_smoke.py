@@ -77,3 +77,9 @@ def test_a_run_with_one_document_passes(tmp_path: Path) -> None:
 
 def test_every_entry_names_a_file_here() -> None:
     assert sorted(set(smoke.ENTRIES) - set(smoke.benchmark_files())) == []
+
+
+def test_a_run_past_its_time_is_stopped_and_named(tmp_path: Path) -> None:
+    script = fake(tmp_path, "import sys, time\nprint('started', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    problem = smoke.smoke_one(script, smoke.Entry(), 1, tmp_path)
+    assert problem is not None and problem.startswith("ran past 1 s") and "started" in problem, problem
