@@ -147,6 +147,7 @@ def _drive(trace: PreparedTrace, control, writer: NodeWriter, n_tiers: int, bloc
             writer.answered(ctx.session, trace.finishes[i] if trace.finishes else "",
                             trace.output_tokens[i] if trace.output_tokens else 0)
         if prefetch_lead_s > 0 and n_tiers > 1:  # the simulator's order: after the request, its queue
+            writer.flush()  # its blocks unpinned first, as the simulator never pins them
             ahead = max(ahead, i + 1)
             while ahead < len(trace.blocks) and trace.arrivals[ahead] <= ctx.now + prefetch_lead_s:
                 ray.get(control.prefetch.remote([block_key(b) for b in trace.blocks[ahead]], ctx), timeout=120)

@@ -104,10 +104,13 @@ class NodeControlActor:
 
     # ---- stores: prepare (room made, destinations back), the caller writes, complete ---------------------
 
-    def prepare_store(self, keys: list[bytes], new: list[bytes], ctx: RequestContext | None = None
-                      ) -> tuple[int, list[tuple[str, list[bytes], list[bytes]]]]:
+    def prepare_store(self, keys: list[bytes], new: list[bytes], ctx: RequestContext | None = None,
+                      completed: tuple | None = None) -> tuple[int, list[tuple[str, list[bytes], list[bytes]]]]:
         """Place a request served on this node; returns the plan id and, per tier actor, the new blocks the
-        caller writes there and the victims it deletes there first (in the same `put_many`)."""
+        caller writes there and the victims it deletes there first (in the same `put_many`). `completed`: the
+        writer's previous store, `complete_store`'s arguments, carried here to save a call."""
+        if completed is not None:
+            self.complete_store(*completed)
         self._guard(keys, new, ctx)
         ticket = self.control.prepare_store(keys, new, ctx)
         self._account(len(new), sum(len(ks) for ks in ticket.writes.values()))

@@ -6,9 +6,9 @@ room and names the tier actor each new block goes to), one `put_many` per tier
 actor named, all in flight together (the payloads go from this process to the
 tier through the node's object store, never through the controller; the victims
 the controller handed over are deleted first in the same call), then
-`complete_store` with what landed, sent without waiting: a writer's calls reach
-the controller in order, and its answer is checked at the next store (`flush`
-checks it now).
+`complete_store` with what landed, carried by the writer's next `prepare_store`
+(one call per store; a writer's calls reach the controller in order) or sent
+alone by `flush`, which a writer calls when it has nothing more to store.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class NodeWriter:
         self.namespace = namespace
         self._control = None
         self._tiers: dict[str, object] = {}
-        self._last = None  # (plan id, writes, failed, completion ref) of the last store, until checked
+        self._unsent = None  # (plan id, writes, failed) of the last store: its completion, not yet sent
         self.counters = {"stores": 0, "written": 0, "refused": 0, "unplaced": 0, "control_unavailable": 0}
 
     def control(self):
@@ -53,10 +53,10 @@ class NodeWriter:
         """Place the request `keys` served on this node and write its `new` blocks where the controller says.
         Returns how many new blocks landed in a tier. No controller (down, restarting): nothing is written,
         the blocks stay with the caller (misses elsewhere, never wrong)."""
-        self._settle_last()
         try:
-            plan_id, writes = ray.get(self.control().prepare_store.remote(list(keys), list(new), ctx),
+            plan_id, writes = ray.get(self.control().prepare_store.remote(list(keys), list(new), ctx, self._unsent),
                                       timeout=self.timeout_s)
+            self._unsent = None
         except (ValueError, ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("controller of %s unavailable (%s): these blocks stay with the engine", self.node,
                         type(exc).__name__)
@@ -86,30 +86,20 @@ class NodeWriter:
         self.counters["written"] += placed - len(failed)
         self.counters["refused"] += len(failed)
         self.counters["unplaced"] += len(new) - placed
-        self._last = (plan_id, writes, failed, self.control().complete_store.remote(plan_id, writes, failed))
+        self._unsent = (plan_id, writes, failed)
         return placed - len(failed)
 
-    def _settle_last(self) -> None:
-        """The previous store's completion, sent without waiting (a writer's calls reach the controller in
-        order): checked here, and sent once more if the controller died meanwhile (the restarted one then
-        reconciles what landed with what it adopted)."""
-        if self._last is None:
+    def flush(self) -> None:
+        """Send the last store's completion now (a writer with nothing more to store); kept for the next store
+        if the controller cannot take it (a restarted one reconciles it with what it adopted)."""
+        if self._unsent is None:
             return
-        plan_id, writes, failed, ref = self._last
-        self._last = None
         try:
-            ray.get(ref, timeout=self.timeout_s)
+            ray.get(self.control().complete_store.remote(*self._unsent), timeout=self.timeout_s)
+            self._unsent = None
         except (ValueError, ray.exceptions.RayError, TimeoutError):
             self._control = None
             self.counters["control_unavailable"] += 1
-            try:
-                ray.get(self.control().complete_store.remote(plan_id, writes, failed), timeout=self.timeout_s)
-            except (ValueError, ray.exceptions.RayError, TimeoutError):
-                self._control = None
-
-    def flush(self) -> None:
-        """Wait until the last store's completion reached the controller."""
-        self._settle_last()
 
     def answered(self, session: str, finish: str, output_tokens: int) -> None:
         """How the answer to `session`'s latest request ended (ordered after its stores: same caller, same actor)."""

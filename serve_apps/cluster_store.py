@@ -22,6 +22,7 @@ blocks in one more call.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -68,6 +69,8 @@ class ClusterBlockStore:
         self.writer = NodeWriter(node) if node is not None else None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-store")  # keeps stores in order
         self._control_faults = 0
+        self._queued = 0  # stores handed to the saver thread and not yet written
+        self._queue_lock = threading.Lock()
         self._from_peers: set[bytes] = set()  # blocks the last fetch read from other nodes' tiers
         self._requests = 0
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
@@ -356,12 +359,19 @@ class ClusterBlockStore:
                 new[bytes(key)] = np.array(got[0], copy=True)
         self._from_peers.clear()
         by_key = None if pairs is None else {bytes(k): p for k, p in zip(keys, pairs)}
+        with self._queue_lock:
+            self._queued += 1
         self._saver.submit(self._write, [bytes(k) for k in keys], new, ctx, by_key)
         if pairs is not None:
             self.predictor.observe.remote(list(keys[: len(pairs)]), list(pairs), time.time())
 
     def _write(self, keys: list[bytes], new: dict[bytes, np.ndarray], ctx, pairs) -> None:
         landed = self.writer.store(keys, new, ctx, pairs)
+        with self._queue_lock:
+            self._queued -= 1
+            idle = self._queued == 0
+        if idle:  # nothing more to store now: the completion goes alone instead of with the next store
+            self.writer.flush()
         if landed:
             nbytes = sum(p.nbytes for p in new.values()) * landed // max(1, len(new))
             metrics.bytes_moved().inc(nbytes, {"src": f"{self.node}/hbm", "dst": f"{self.node}/tiers",
