@@ -9,21 +9,12 @@ Runs in .venv-vllm, as tests/vllm_engine/test_vllm_connector.py does, whose engi
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler, worker and test in one process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh` and "
-                   "`.venv-vllm/bin/python -m pytest -q tests/vllm_engine`")
-
-from test_vllm_connector import BLOCK, close, engine, model_dir  # noqa: E402, F401 - model_dir: a fixture
+from test_vllm_connector import BLOCK, close, engine, model_dir, vllm  # noqa: F401 - model_dir: a fixture
+# (importing test_vllm_connector sets the engine's environment and imports vllm, or skips)
 
 pytestmark = pytest.mark.timeout(300)
 BLOCKS = 4  # full blocks of each prompt a later request can load (its last token is always computed)
