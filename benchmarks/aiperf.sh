@@ -27,7 +27,7 @@ server=""
 if [ -z "$URL" ]; then
   URL=http://127.0.0.1:8000
   .venv/bin/kvcluster cluster down local --purge --address 127.0.0.1:9 >&2  # no Ray yet: only the files go
-  RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 setsid .venv/bin/serve run configs/serve.yaml > "$OUT/server.log" 2>&1 &
+  RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 setsid .venv/bin/serve run configs/serve_runner.yaml > "$OUT/server.log" 2>&1 &
   server=$!
   trap 'kill -TERM -- -$server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
   for _ in $(seq 1 150); do curl -sf "$URL/v1/models" >/dev/null && break; sleep 2; done

@@ -41,10 +41,10 @@ class Section:
 SECTIONS = (
     Section(
         "Serve app",
-        "The `args` of an application in a Serve config file (`configs/serve.yaml`), validated by "
+        "The `args` of an application in a Serve config file (`configs/serve_runner.yaml`), validated by "
         "`kvcluster.serve_apps.app:build_app` before anything starts; a wrong field fails the deploy naming it.",
         (
-            Model("kvcluster.serve_apps.config:ServeAppConfig", "`applications[].args` of `configs/serve.yaml`."),
+            Model("kvcluster.serve_apps.config:ServeAppConfig", "`applications[].args` of `configs/serve_runner.yaml`."),
             Model("kvcluster.serve_apps.config:AutoscalingSettings", "`autoscaling` of `ServeAppConfig`; passed to Serve "
                                                            "as the replicas' autoscaling config."),
         ),

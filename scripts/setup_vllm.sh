@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a separate venv with the CPU build of vLLM, Ray Serve and kvcluster (editable) for the vLLM KV
-# connector (kvcluster/integrations/vllm), the vLLM Serve app (configs/serve_vllm.yaml) and their tests
+# connector (kvcluster/integrations/vllm), the vLLM Serve app (configs/serve.yaml) and their tests
 # (tests/vllm_engine, which the main suite runs here through tests/test_vllm_engine.py). scripts/setup.sh calls
 # this script, so one setup gives both venvs.
 #
@@ -52,7 +52,7 @@ VLLM_REQUIREMENTS=(
 # what its tests need.
 KVCLUSTER_REQUIREMENTS=("pydantic>=2.6,<3" "pyyaml>=6.0" "tqdm>=4.66" "xxhash>=3.4" "pytest>=8"
   "pytest-timeout>=2.3" "hypothesis>=6.100")
-# Ray Serve for the vLLM Serve app (serve_apps/vllm_app.py, configs/serve_vllm.yaml): the same Ray as .venv
+# Ray Serve for the vLLM Serve app (serve_apps/vllm_app.py, configs/serve.yaml): the same Ray as .venv
 # (pyproject's pin), so one cluster runs either app. Only the serve extra: vLLM's own fastapi pin (<0.137)
 # also satisfies Ray Serve's (>=0.133), and resolving it together with the list above changes nothing else.
 SERVE_REQUIREMENTS=("ray[serve]==2.60.0")

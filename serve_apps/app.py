@@ -1,4 +1,4 @@
-"""`serve run configs/serve.yaml` entry point: the ingress bound to the model replicas."""
+"""`serve run configs/serve_runner.yaml` entry point: the ingress bound to the model replicas."""
 
 from __future__ import annotations
 

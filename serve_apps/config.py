@@ -1,4 +1,4 @@
-"""The Serve app's settings (the `args` of configs/serve.yaml), validated before anything starts."""
+"""The Serve app's settings (the `args` of configs/serve_runner.yaml), validated before anything starts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`serve run configs/serve_vllm.yaml` entry point: the OpenAI front bound to vLLM engine replicas.
+"""`serve run configs/serve.yaml` entry point: the OpenAI front bound to vLLM engine replicas.
 
-The front is configs/serve.yaml's (serve_apps/ingress.py: the same endpoints, request checks, errors and
+The front is configs/serve_runner.yaml's (serve_apps/ingress.py: the same endpoints, request checks, errors and
 `usage.prompt_tokens_details.cached_tokens`), without a cache cluster: each replica's vLLM engine keeps its
 prefix KV itself, in vLLM's prefix cache and, through `KVClusterConnector`, in kvcluster's tiers in the
 replica's process. Requests reach replicas by their leading block (serve_apps/vllm_router.py).

@@ -1,6 +1,6 @@
-"""The vLLM Serve app's settings (the `args` of configs/serve_vllm.yaml), validated before anything starts.
+"""The vLLM Serve app's settings (the `args` of configs/serve.yaml), validated before anything starts.
 
-The app is the same OpenAI front as configs/serve.yaml (serve_apps/ingress.py) over replicas that each run a
+The app is the same OpenAI front as configs/serve_runner.yaml (serve_apps/ingress.py) over replicas that each run a
 vLLM engine with `KVClusterConnector`. So the settings are the engine's and the replicas' here, and the
 front's own limits under `api`, checked by the front's own model (`ServeAppConfig`) rather than copied field
 by field; the runner's settings (hbm tier, cluster, torch threads) mean nothing to a vLLM replica and are
@@ -50,7 +50,7 @@ class VLLMAppConfig(BaseModel):
                               "(vLLM's block size on CPU; a shorter prompt goes to the shortest queue).")
     root_seed: str = Field("kvcluster-v1", description="Root of the routing keys.")
     api: dict[str, Any] = Field(default_factory=dict, description=f"The OpenAI front's limits: "
-                                f"{', '.join(API_FIELDS)} (as in configs/serve.yaml).")
+                                f"{', '.join(API_FIELDS)} (as in configs/serve_runner.yaml).")
 
     @field_validator("api")
     @classmethod

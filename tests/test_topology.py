@@ -138,7 +138,7 @@ def test_block_tokens_is_set_in_the_cluster_file_only() -> None:
         ServeAppConfig(cluster="local", block_tokens=16)
     assert ServeAppConfig(cluster="local").block_tokens is None
     assert ServeAppConfig(cluster=None).block_tokens == 16  # an app without a cluster keeps its own
-    (app,) = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())["applications"]
+    (app,) = yaml.safe_load((ROOT / "configs" / "serve_runner.yaml").read_text())["applications"]
     assert "block_tokens" not in app["args"]
     assert ServeAppConfig.model_validate(app["args"]).cluster == "local"
 

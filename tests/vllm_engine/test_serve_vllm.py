@@ -1,4 +1,4 @@
-"""The vLLM Serve app end to end (configs/serve_vllm.yaml's app): the OpenAI API over a vLLM replica with
+"""The vLLM Serve app end to end (configs/serve.yaml's app): the OpenAI API over a vLLM replica with
 kvcluster's connector, asked with the official `openai` client.
 
 One replica, started in-process with `serve.run` on a local two-CPU Ray; the same long prompt twice must be
