@@ -37,6 +37,9 @@ class VLLMAppConfig(BaseModel):
                                       "the model's max_position_embeddings (the front's window).")
     kv_cache_space_gib: int = Field(1, ge=1, description="Host memory of each replica's paged KV cache "
                                       "(vLLM's VLLM_CPU_KVCACHE_SPACE on CPU).")
+    kv_cache_blocks: int | None = Field(None, gt=0, description="Blocks of each replica's paged KV cache "
+                                        "(vLLM's num_gpu_blocks_override; it must hold one request of "
+                                        "max_model_len); default: as many as kv_cache_space_gib holds.")
     connector: ConnectorConfig | None = Field(
         default_factory=lambda: ConnectorConfig(tiers=[{"kind": "dram", "capacity_mib": 512}]),
         description="KVClusterConnector's kv_connector_extra_config (tiers fastest first, policy); null: "

@@ -106,6 +106,7 @@ class VLLMReplica:
         args = EngineArgs(model=model, load_format=load_format, dtype=DTYPES[self.cfg.dtype], seed=self.cfg.seed,
                           served_model_name=self.cfg.name, enforce_eager=True, enable_prefix_caching=True,
                           max_model_len=self.cfg.max_model_len, max_num_seqs=self.cfg.max_ongoing_requests,
+                          num_gpu_blocks_override=self.cfg.kv_cache_blocks,
                           distributed_executor_backend="uni",
                           kv_transfer_config=None if transfer is None else KVTransferConfig(**transfer))
         engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.ENGINE_CONTEXT)

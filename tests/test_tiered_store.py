@@ -86,3 +86,25 @@ def test_blocks_read_elsewhere_are_placed_in_the_first_tier_without_counting_a_u
     assert [store.manager.tier_of(k) for k in first] == [1, 1, 0]
     got = store.fetch(other)
     assert got.tiers == ("dram", "dram") and all(np.array_equal(p, kv_of(k)) for p, k in zip(got.payloads, other))
+
+
+def test_a_checkpoint_keeps_the_volatile_tiers_blocks_in_pfs_for_a_fresh_store(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    serve(store, [1, 2, 3], 0)
+    serve(store, [7, 8, 9], 1)  # 1, 2, 3 in nvme, 7, 8, 9 in dram, pfs empty
+    assert store.backends[2].keys() == []
+    assert store.checkpoint(batch=2) == 6
+    fresh = TieredStore([dram_backend(3, BLOCK), PFSBackend(tmp_path / "pfs", 6 * BLOCK)], BLOCK)
+    fresh.manager.adopt(1, fresh.backends[1].keys())
+    for ids in ([1, 2, 3], [7, 8, 9]):
+        keys = SPACE.chain_hash_ids(ids)
+        got = fresh.fetch(keys)
+        assert got.tiers == ("pfs",) * 3
+        assert all(np.array_equal(p, kv_of(k)) for p, k in zip(got.payloads, keys))
+
+
+def test_a_checkpoint_stops_where_the_pfs_tier_is_full(tmp_path: Path) -> None:
+    store = TieredStore([dram_backend(3, BLOCK), PFSBackend(tmp_path / "pfs", 2 * BLOCK)], BLOCK)
+    serve(store, [1, 2, 3], 0)  # three blocks in dram, room for two in pfs
+    assert store.checkpoint() == 2
+    assert len(store.backends[1].keys()) == 2

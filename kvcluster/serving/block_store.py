@@ -102,6 +102,12 @@ class LocalBlockStore:
             with self._lock:
                 self.tiered.answered(session, finish, output_tokens)
 
+    def checkpoint(self) -> int:
+        """Copy what the volatile tiers hold into the persistent one, for a clean shutdown
+        (`TieredStore.checkpoint`); returns the blocks copied."""
+        with self._lock:
+            return self.tiered.checkpoint()
+
     def place(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray]) -> None:
         """Keep blocks a request read from elsewhere (another node's tiers) without counting a use: that
         request's `store` counts it, with its context."""

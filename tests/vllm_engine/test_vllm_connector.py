@@ -277,6 +277,22 @@ def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(mo
     close(llm)
 
 
+def test_a_clean_shutdown_keeps_the_memory_tiers_blocks_in_the_pfs_tier_for_the_next_engine(
+        model_dir, reference, tmp_path) -> None:
+    cold, warm = reference
+    tiers = [{"kind": "dram", "capacity_mib": 16}, {"kind": "pfs", "capacity_mib": 16, "path": str(tmp_path / "pfs")}]
+    llm, shared = engine(model_dir, tiers)
+    assert generate(llm) == cold and shared.saved_blocks == 4
+    assert sorted(shared.store.tiered.manager.tier_of(k) for k in KEYS) == [0, 0, 0, 0]  # all in dram
+    close(llm)  # the connector's shutdown copies them into the pfs directory
+
+    llm, shared = engine(model_dir, tiers)  # a fresh engine: its dram is empty, the files remain
+    assert sorted(shared.store.tiered.manager.tier_of(k) for k in KEYS) == [1, 1, 1, 1]
+    assert generate(llm) == warm
+    assert (shared.loaded_blocks, shared.saved_blocks) == (4, 0)
+    close(llm)
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"tiers": []}, "tiers"),
     ({"tiers": [{"kind": "nvme", "capacity_mib": 8}]}, "tier nvme needs a path"),

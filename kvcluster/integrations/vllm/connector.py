@@ -588,10 +588,20 @@ class KVClusterConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
-        """Background reads and stores finish first: nothing handed to the saver is dropped."""
+        """Background reads and stores finish first: nothing handed to the saver is dropped. Then the worker
+        copies what its memory tiers hold into its pfs tier, if it has one, so that the engine started next
+        adopts it (`TieredStore.checkpoint`)."""
         for pool in (self._loader, self._saver):
             if pool is not None:
                 pool.shutdown(wait=True)
+        if self._shared is not None and self.role == KVConnectorRole.WORKER:
+            try:
+                kept = self._shared.local.checkpoint()
+            except Exception:  # a full or vanished directory: the next engine starts colder, nothing is wrong
+                log.exception("kvcluster: the shutdown checkpoint into the pfs tier failed")
+            else:
+                if kept:
+                    log.info("kvcluster: %d blocks of the memory tiers kept in the pfs tier", kept)
         if self._lending is not None:
             self._lending.close(self._cluster.timeout_s)
             self._lending = None
