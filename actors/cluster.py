@@ -75,10 +75,11 @@ def up(cfg: ClusterConfig) -> dict:
     slot_bytes = cfg.block_bytes()
     started, handles = [], []
     for node in cfg.nodes:
-        for t in sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.tier)):
-            tc = TierActorConfig(node=node.name, tier=t.tier, slots=cfg.slots(t), slot_bytes=slot_bytes, path=t.path)
+        for t in sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.kind)):
+            cfg.slots(t)  # a ConfigError naming the tier when it holds no block
+            tc = TierActorConfig(node=node.name, tier=t, slot_bytes=slot_bytes)
             handles.append(start_tier_actor(tc, pinned[node.name], detached=True))
-            started.append(actor_name(node.name, t.tier))
+            started.append(actor_name(node.name, t.kind))
     ray.get([h.describe.remote() for h in handles], timeout=120)  # constructed: their slabs and directories open
     controls = start_node_controllers(cfg, slot_bytes, pinned)
     ray.get([c.stats.remote() for c in controls.values()], timeout=120)  # their views rebuilt from the tiers
@@ -90,7 +91,7 @@ def start_node_controllers(cfg: ClusterConfig, slot_bytes: int, pinned: dict[str
     """One controller per node (detached, found again by name), on that node, over that node's tiers."""
     handles = {}
     for name, chain in node_chains(cfg).items():
-        tiers = [(t.label, actor_name(name, t.tier.tier), t.capacity_blocks) for t in chain]
+        tiers = [(t.label, actor_name(name, t.tier.kind), t.capacity_blocks) for t in chain]
         handles[name] = NodeControlActor.options(
             name=control_name(name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=pinned[name], soft=False),
@@ -104,11 +105,11 @@ def status(cfg: ClusterConfig) -> dict:
     for node in cfg.nodes:
         for t in node.tiers:
             try:
-                actor = ray.get_actor(actor_name(node.name, t.tier), namespace=NAMESPACE)
+                actor = ray.get_actor(actor_name(node.name, t.kind), namespace=NAMESPACE)
             except ValueError:
-                rows.append({"node": node.name, "tier": t.tier, "state": "absent"})
+                rows.append({"node": node.name, "tier": t.kind, "state": "absent"})
                 continue
-            rows.append({"node": node.name, "tier": t.tier, "state": "running"})
+            rows.append({"node": node.name, "tier": t.kind, "state": "running"})
             refs.append((rows[-1], actor.describe.remote()))
     for row, ref in refs:
         try:
@@ -143,7 +144,7 @@ def _running_count(first: str, configured: int) -> int:
 
 def down(cfg: ClusterConfig) -> list[str]:
     """Kill this config's tier actors and the global actors; files on nvme and pfs stay."""
-    names = [actor_name(n.name, t.tier) for n in cfg.nodes for t in n.tiers]
+    names = [actor_name(n.name, t.kind) for n in cfg.nodes for t in n.tiers]
     names += [control_name(n.name) for n in cfg.nodes]
     names += [PREDICTOR_NAME] + [shard_name(i) for i in range(_running_count(shard_name(0), cfg.index_shards))]
     killed = []

@@ -37,7 +37,7 @@ def start_tier_actor(config: TierActorConfig, node_id: str, namespace: str = NAM
     Detached actors (the CLI's) outlive the process that started them; an existing one is reused.
     """
     return TierActor.options(
-        name=actor_name(config.node, config.tier),
+        name=actor_name(config.node, config.kind),
         namespace=namespace,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         **({"lifetime": "detached", "get_if_exists": True} if detached else {}),

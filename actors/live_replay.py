@@ -28,7 +28,8 @@ from kvcluster.cluster_config import ClusterConfig, load_cluster_config
 from kvcluster.cluster_control import node_chains
 from kvcluster.errors import ConfigError
 from kvcluster.keys import stand_in_key
-from kvcluster.simulator import PreparedTrace, ReplayResult, TierPlan, replay, request_context
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import PreparedTrace, ReplayResult, replay, request_context
 
 from .cluster import node_ids
 from .deploy import start_tier_actor
@@ -84,12 +85,12 @@ def replay_live(trace: PreparedTrace, policy: str, cluster: str | ClusterConfig,
             raise ConfigError(f"nodes: no live Ray node for {node.name} (its ray_resource is absent)")
         started.append(IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote())
         for t, cap in zip(chain, capacities):
-            path = str(scratch / t.tier.tier) if t.tier.kind.durable else None
-            tc = TierActorConfig(node=node.name, tier=t.tier.tier, slots=cap, slot_bytes=block_bytes, path=path)
+            path = str(scratch / t.tier.kind) if t.tier.kind_info.durable else None
+            tc = TierActorConfig.of(node.name, t.tier.kind, cap, block_bytes, path)
             started.append(start_tier_actor(tc, pinned[node.name]))
         ray.get([a.describe.remote() for a in started[1:]], timeout=120)
         control = NodeControlActor.options(name=control_name(node.name), namespace=NAMESPACE).remote(
-            node.name, [(t.label, actor_name(node.name, t.tier.tier), cap) for t, cap in zip(chain, capacities)],
+            node.name, [(t.label, actor_name(node.name, t.tier.kind), cap) for t, cap in zip(chain, capacities)],
             policy, None, block_bytes, 0)
         started.append(control)
         live = _drive(trace, control, NodeWriter(node.name), len(chain), block_bytes, progress, prefetch_lead_s,

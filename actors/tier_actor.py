@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvcluster.keys import BlockKey
 from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, cxl_backend, dram_backend
-from kvcluster.tiers import NODE_TIERS
+from kvcluster.tiers import NODE_TIERS, TierSpec, check_tiers, format_size
 
 from .index_actor import NAMESPACE
 from .index_client import IndexClient
@@ -36,14 +36,48 @@ from .tier_metrics import TierMetrics
 
 
 class TierActorConfig(BaseModel):
+    """One tier actor: its node and its tier, written as every tier is (`kvcluster.tiers.TierSpec`: kind,
+    capacity with its unit, path), in blocks of `slot_bytes`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node: str = Field(description="Node name used in actor names and the index.")
-    tier: str = Field(pattern=f"^({'|'.join(NODE_TIERS)})$", description="A kind a node's tier actor runs "
-                      "(kvcluster.tiers.NODE_TIERS); hbm stays inside the model replica.")
-    slots: int = Field(gt=0, description="Blocks the tier holds (pfs: capacity in blocks).")
+    tier: TierSpec = Field(description="The tier as a node's tiers are written; a kind a node's tier actor runs "
+                                       "(kvcluster.tiers.NODE_TIERS: hbm stays inside the model replica). It holds "
+                                       "capacity x usable_fraction // slot_bytes blocks.")
     slot_bytes: int = Field(gt=0, description="Bytes per block payload.")
-    path: str | None = Field(None, description="Directory for nvme and pfs.")
+
+    @field_validator("tier")
+    @classmethod
+    def _actor_kind(cls, tier: TierSpec) -> TierSpec:
+        check_tiers([tier], NODE_TIERS, "a node's tier actor")
+        return tier
+
+    @model_validator(mode="after")
+    def _holds_a_block(self) -> "TierActorConfig":
+        if self.slots < 1:
+            raise ValueError(f"tier {self.kind}: field capacity: {format_size(self.tier.usable_bytes)} usable "
+                             f"holds no {self.slot_bytes}-byte block")
+        return self
+
+    @classmethod
+    def of(cls, node: str, kind: str, slots: int, slot_bytes: int, path: str | None = None) -> "TierActorConfig":
+        """A tier of exactly `slots` blocks of `slot_bytes` (benchmarks, tests, a live replay's capacities)."""
+        return cls(node=node, tier=TierSpec(kind=kind, capacity=format_size(slots * slot_bytes), path=path),
+                   slot_bytes=slot_bytes)
+
+    @property
+    def kind(self) -> str:
+        return self.tier.kind
+
+    @property
+    def path(self) -> str | None:
+        return self.tier.path
+
+    @property
+    def slots(self) -> int:
+        """Blocks the tier holds (pfs: its capacity in blocks)."""
+        return self.tier.usable_bytes // self.slot_bytes
 
 
 def actor_name(node: str, tier: str) -> str:
@@ -51,13 +85,13 @@ def actor_name(node: str, tier: str) -> str:
 
 
 def _backend(cfg: TierActorConfig):
-    if cfg.tier == "dram":
+    if cfg.kind == "dram":
         return dram_backend(cfg.slots, cfg.slot_bytes)
-    if cfg.tier == "cxl":
+    if cfg.kind == "cxl":
         return cxl_backend(cfg.slots, cfg.slot_bytes)
     if cfg.path is None:
-        raise ValueError(f"the {cfg.tier} tier needs a path")
-    if cfg.tier == "nvme":
+        raise ValueError(f"the {cfg.kind} tier needs a path")
+    if cfg.kind == "nvme":
         return NVMeBackend(Path(cfg.path) / cfg.node, cfg.slots, cfg.slot_bytes)
     return PFSBackend(cfg.path, cfg.slots * cfg.slot_bytes)
 
@@ -72,16 +106,16 @@ class TierActor(PeerServer):
     def __init__(self, config: dict) -> None:
         self.cfg = TierActorConfig.model_validate(config)
         self.backend = _backend(self.cfg)
-        self.reporter = IndexReporter(IndexClient.connect(), self.cfg.node, self.cfg.tier)
-        self.metrics = TierMetrics(self.cfg.node, self.cfg.tier)
+        self.reporter = IndexReporter(IndexClient.connect(), self.cfg.node, self.cfg.kind)
+        self.metrics = TierMetrics(self.cfg.node, self.cfg.kind)
         self.prefetched = PrefetchTracker()
         self._nixl: NixlPeerPool | None = None
-        self.puller = NixlPuller(f"kvc-pull-{self.cfg.node}-{self.cfg.tier}", self._write,
-                                 self._lend if self.cfg.tier in MEMORY_TIERS else None)
+        self.puller = NixlPuller(f"kvc-pull-{self.cfg.node}-{self.cfg.kind}", self._write,
+                                 self._lend if self.cfg.kind in MEMORY_TIERS else None)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.metrics.fault("restarted")
             self._tell_control_plane()
-        if self.cfg.tier != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
+        if self.cfg.kind != "pfs":  # a fresh process holds nothing: what the index thought it had is gone
             self.reporter.lost()
         else:  # the shared filesystem outlives processes and clusters: tell the index what is already there
             self.reporter.listed(self.backend.keys())
@@ -95,7 +129,7 @@ class TierActor(PeerServer):
             control = control_handle(self.cfg.node)
         except (ValueError, ray.exceptions.RayError):  # no controller (a tier used on its own): nothing to tell
             return
-        control.resync.remote(actor_name(self.cfg.node, self.cfg.tier))
+        control.resync.remote(actor_name(self.cfg.node, self.cfg.kind))
 
     # ---- the backend: batched put / get / delete ---------------------------------------------------------
 
@@ -180,10 +214,10 @@ class TierActor(PeerServer):
 
     def _lend(self) -> NixlPeerPool:
         """The slab and slot table this tier serves from, lent as they are (no copy), made on first use."""
-        if self.cfg.tier not in MEMORY_TIERS:
-            raise ValueError(f"the {self.cfg.tier} tier is not a memory pool other nodes can read over NIXL")
+        if self.cfg.kind not in MEMORY_TIERS:
+            raise ValueError(f"the {self.cfg.kind} tier is not a memory pool other nodes can read over NIXL")
         if self._nixl is None:
-            self._nixl = NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes, name=f"kvc-{self.cfg.node}-{self.cfg.tier}",
+            self._nixl = NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes, name=f"kvc-{self.cfg.node}-{self.cfg.kind}",
                                       pool=self.backend.pool, table=self.backend.table)
         return self._nixl
 
@@ -222,7 +256,7 @@ class TierActor(PeerServer):
     def describe(self) -> dict:
         """Where this tier is, how many blocks it can hold and holds (`kvcluster cluster status`)."""
         self.metrics.occupancy(self.backend)
-        return {"node": self.cfg.node, "tier": self.cfg.tier, "slot_bytes": self.cfg.slot_bytes,
+        return {"node": self.cfg.node, "tier": self.cfg.kind, "slot_bytes": self.cfg.slot_bytes,
                 "capacity_blocks": self.backend.capacity_bytes // self.cfg.slot_bytes,
                 "used_blocks": self.backend.used_bytes // self.cfg.slot_bytes,
                 "pid": os.getpid()}  # changes when the actor restarts: its memory tier came back empty

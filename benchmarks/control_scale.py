@@ -52,7 +52,7 @@ from kvcluster.cluster_config import load_cluster_config  # noqa: E402
 from kvcluster.keys import stand_in_key  # noqa: E402
 from kvcluster.node_control import NodeController  # noqa: E402
 from kvcluster.policies.base import RequestContext  # noqa: E402
-from kvcluster.simulator import TierPlan  # noqa: E402
+from kvcluster.hierarchy import TierPlan  # noqa: E402
 
 NODE = "scale"
 
@@ -91,7 +91,7 @@ def ingest(args, block_bytes: int, tmp: str) -> dict:
     start_global_actors(os.path.join(tmp, "predictor"))
     per_trial = args.writers * args.requests * args.blocks
     in_flight = args.writers * args.blocks  # the reference's puts, each deleted before the writer's next
-    dram = start_tier_actor(TierActorConfig(node=NODE, tier="dram", slots=per_trial + in_flight,
+    dram = start_tier_actor(TierActorConfig.of(node=NODE, kind="dram", slots=per_trial + in_flight,
                                             slot_bytes=block_bytes), here)
     ray.get(dram.describe.remote())
     control = NodeControlActor.options(name=control_name(NODE), namespace=NAMESPACE).remote(

@@ -155,7 +155,7 @@ class Compiler:
 
 def fresh(node: str, tier_names, block_bytes: int, slots: int, root: str, here: str, keys, payload):
     """Tier actors for one probe (a graph left on an actor spoils it for the next), the keys in the first."""
-    actors = [start_tier_actor(TierActorConfig(node=node, tier=t, slots=slots, slot_bytes=block_bytes,
+    actors = [start_tier_actor(TierActorConfig.of(node=node, kind=t, slots=slots, slot_bytes=block_bytes,
                                                path=None if t in ("dram", "cxl") else f"{root}/{node}-{t}"), here)
               for t in tier_names]
     ray.get([a.describe.remote() for a in actors], timeout=CALL_TIMEOUT_S)
@@ -282,7 +282,7 @@ def measure(name: str, tier_names: tuple[str, ...], args, root: str, here: str) 
     groups_n = len(tier_names) - 1
     slots = groups_n * args.blocks
     node = f"mr-{name}"
-    actors = [start_tier_actor(TierActorConfig(node=node, tier=t, slots=slots, slot_bytes=block_bytes,
+    actors = [start_tier_actor(TierActorConfig.of(node=node, kind=t, slots=slots, slot_bytes=block_bytes,
                                                path=None if t in ("dram", "cxl") else f"{root}/{t}"), here)
               for t in tier_names]
     ray.get([a.describe.remote() for a in actors], timeout=CALL_TIMEOUT_S)

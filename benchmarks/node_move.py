@@ -87,8 +87,8 @@ def main() -> int:
         assert all(ray.get(pool_a.put_local.remote(keys, data)))
         cfg = dict(slots=args.blocks, slot_bytes=size)
         dram_a = TierActor.options(name="kvcluster/a/dram", namespace=NAMESPACE, scheduling_strategy=on(a)).remote(
-            TierActorConfig(node="a", tier="dram", **cfg).model_dump())
-        dram_b = TierActor.options(scheduling_strategy=on(b)).remote(TierActorConfig(node="b", tier="dram", **cfg).model_dump())
+            TierActorConfig.of(node="a", kind="dram", **cfg).model_dump())
+        dram_b = TierActor.options(scheduling_strategy=on(b)).remote(TierActorConfig.of(node="b", kind="dram", **cfg).model_dump())
         assert all(ray.get(dram_a.put_many.remote(keys, data)))
         rdma_b = RdmaTierActor.options(scheduling_strategy=on(b)).remote("b", "a", args.blocks * size + (1 << 20),
                                                                           args.blocks)

@@ -54,7 +54,7 @@ def main() -> int:
         start_global_actors(os.path.join(tmp, "predictor"))
         size, n = args.block_kib << 10, args.blocks
         node = ray.get_runtime_context().get_node_id()
-        dram = start_tier_actor(TierActorConfig(node="n0", tier="dram", slots=2 * n, slot_bytes=size), node)
+        dram = start_tier_actor(TierActorConfig.of(node="n0", kind="dram", slots=2 * n, slot_bytes=size), node)
         keys = KeySpace(model="replica-fetch").chain_hash_ids(list(range(n)))
         data = [np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8) for i in range(n)]
         assert all(ray.get(dram.put_many.remote([bytes(k) for k in keys], data)))

@@ -100,9 +100,9 @@ def start(tmp: str, shards: int = 1) -> str:
     cluster = Path(tmp) / "cluster.yaml"
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\n"
                        f"index_shards: {shards}\nnodes:\n"
-                       f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.001}}\n"
-                       f"      - {{tier: nvme, capacity_gib: 0.001, path: {tmp}/nvme}}\n"
-                       f"      - {{tier: pfs, capacity_gib: 0.5, path: {tmp}/pfs}}\n")
+                       f"  - name: n0\n    tiers:\n      - {{kind: dram, capacity: 1MiB}}\n"
+                       f"      - {{kind: nvme, capacity: 1MiB, path: {tmp}/nvme}}\n"
+                       f"      - {{kind: pfs, capacity: 512MiB, path: {tmp}/pfs}}\n")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": MODEL, "cluster": str(cluster), "replica_cpus": 0.5, "hbm_blocks": 64,

@@ -109,7 +109,7 @@ def _connector(arm: str, work: Path, dram_mib: int, background: bool = True) -> 
         return {"kv_connector": "KVClusterConnector",
                 "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity_mib": dram_mib}],
+                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity": f"{dram_mib}MiB"}],
                                               "async_loads": background, "async_saves": background}}
     return None
 

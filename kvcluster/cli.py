@@ -144,10 +144,10 @@ def _progress_factory(enabled: bool, total: int):
 
 def _load_trace(args: argparse.Namespace):
     """The trace of `replay` / `report`, with its skipped records listed on stderr."""
-    from .traces import load_trace
+    from .traces import TraceClock, load_trace
 
     trace = load_trace(args.trace, format=args.format, block_size=args.block_size, strict=args.strict,
-                       max_records=args.max_records)
+                       max_records=args.max_records, clock=TraceClock(fixed=args.fixed_clock, seed=args.clock_seed))
     for line in trace.skipped[:5]:
         print(f"skipped {line}", file=sys.stderr)
     if len(trace.skipped) > 5:
@@ -158,10 +158,16 @@ def _load_trace(args: argparse.Namespace):
 def _cmd_replay(args: argparse.Namespace) -> int:
     from .replay import ReplayOptions, run_replay
     from .simulator import prepare
+    from .traces import UNTIMED_FORMATS
 
     policies = args.policies or ((args.policy,) if args.policy else ("lru", "bayes", "belady"))
     if args.live:
         return _cmd_replay_live(args, tuple(policies))
+    tier_flag = _tier_split_flag(args)
+    if tier_flag:
+        raise ConfigError(f"{tier_flag} splits the tiers of a --live replay, one value per tier; the simulator sweeps "
+                          f"capacities with --capacity-frac/--capacity-blocks, or runs a node's own tiers with "
+                          f"--tiers/--topology")
     if args.topology and args.model:
         raise ConfigError("--model: with --topology the cluster file's model sizes the blocks")
     options = ReplayOptions(
@@ -184,6 +190,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     report = run_replay(options, prepared, progress)
     report["format"] = trace.format
     report["skipped_records"] = len(trace.skipped)
+    report["clock"] = _clock_note(args, trace.format)
     if args.plot:
         from .plots import plot_hit_rates
 
@@ -194,6 +201,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     print(f"{report['trace']} ({trace.format}): {report['requests']:,} requests, {report['block_refs']:,} block refs, "
           f"{report['unique_blocks']:,} unique blocks of {report['block_size']} tokens; "
           f"infinite-cache hit rate {report['infinite_hit_rate']:.4f}")
+    if trace.format in UNTIMED_FORMATS:
+        print(f"times drawn: {report['clock']}")
     rows = [
         [r.get("deployment", r["policy"]), f"{r['capacity_blocks']:,}", f"{r['hit_rate']:.4f}",
          " ".join(f"{k}={v:.3f}" for k, v in r["per_tier"].items()),
@@ -217,7 +226,31 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _clock_note(args: argparse.Namespace, format: str) -> str:
+    """How the trace's times came about: the file's own, or the clock that drew them."""
+    from .traces import UNTIMED_FORMATS, TraceClock
+
+    if format not in UNTIMED_FORMATS:
+        return "the trace's own times"
+    return TraceClock(fixed=args.fixed_clock, seed=args.clock_seed).describe()
+
+
 REPLAY_DRIVERS_GROUP = "kvcluster.replay_drivers"  # entry points: name -> replay function (live: the Ray side)
+
+
+def _tier_split_flag(args: argparse.Namespace) -> str | None:
+    """The per-tier flag given, if any (--tier-blocks or --tier-fracs)."""
+    return "--tier-blocks" if args.tier_blocks else "--tier-fracs" if args.tier_fracs else None
+
+
+def _live_tier_labels(cluster: str) -> tuple[str, list[str]]:
+    """The first node of `cluster` and its tiers, fastest first, as a live replay runs them."""
+    from .cluster_config import load_cluster_config
+    from .cluster_control import node_chains
+
+    cfg = load_cluster_config(cluster)
+    node = cfg.nodes[0].name
+    return node, [t.label for t in node_chains(cfg)[node]]
 
 
 def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
@@ -230,14 +263,29 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
     for flag, value in (("--tiers", args.tiers), ("--topology", args.topology), ("--lookahead-s", args.lookahead_s),
                         ("--calibration", args.calibration), ("--plot", args.plot)):
         if value:
-            raise ConfigError(f"{flag} is a simulator option; --live takes --cluster and --capacity-* per tier")
+            raise ConfigError(f"{flag} is a simulator option; --live takes --cluster, and --tier-fracs or "
+                              f"--tier-blocks per tier")
+    sweep = "--capacity-blocks" if args.capacity_blocks else "--capacity-frac" if args.capacity_frac else None
+    if sweep:
+        raise ConfigError(f"{sweep} sweeps the capacity of the simulator's single tier, one run per value; a --live "
+                          f"replay runs the cluster's tiers: give their sizes with --tier-fracs F,F,... or "
+                          f"--tier-blocks N,N,... (one value per tier, fastest first)")
     for name in policies:
         if name not in policy_names():
             raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
         if POLICIES[name].offline:
             raise ConfigError(f"--policy {name}: an offline policy reads the future; a live cluster cannot run it")
-    if any(f <= 0 or f > 1 for f in args.capacity_frac or ()):
-        raise ConfigError("--capacity-frac values must be in (0, 1]")
+    split = _tier_split_flag(args)
+    if split:
+        node, labels = _live_tier_labels(args.cluster)
+        values = args.tier_blocks or args.tier_fracs
+        if len(values) != len(labels):
+            raise ConfigError(f"{split}: give one value per tier of node {node} ({', '.join(labels)}), fastest "
+                              f"first; got {len(values)}")
+    if any(f <= 0 or f > 1 for f in args.tier_fracs or ()):
+        raise ConfigError("--tier-fracs values must be in (0, 1]")
+    if any(n < 1 for n in args.tier_blocks or ()):
+        raise ConfigError("--tier-blocks values must be >= 1 (every live tier holds at least one block)")
     driver = next((e for e in entry_points(group=REPLAY_DRIVERS_GROUP) if e.name == "live"), None)
     try:
         replay_live = driver.load() if driver is not None else None
@@ -247,8 +295,8 @@ def _cmd_replay_live(args: argparse.Namespace, policies: tuple[str, ...]) -> int
         raise ConfigError("--live needs the cluster side: pip install 'kvcluster[cluster]'")
     trace = _load_trace(args)
     prepared = prepare(trace)
-    capacities = list(args.capacity_blocks) if args.capacity_blocks else \
-        [max(1, round(f * prepared.unique_blocks)) for f in args.capacity_frac] if args.capacity_frac else None
+    capacities = list(args.tier_blocks) if args.tier_blocks else \
+        [max(1, round(f * prepared.unique_blocks)) for f in args.tier_fracs] if args.tier_fracs else None
     runs = []
     for policy in policies:
         runs.append(replay_live(prepared, policy, args.cluster, capacities, args.live_block_bytes,
@@ -296,6 +344,9 @@ _TRACE_HELP = "a trace file or directory (Mooncake, Bailian, Claude Code, ShareG
 
 def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
     """Options shared by `replay` and `report`: how the trace is read."""
+    from .traces import UNTIMED_FORMATS
+    from .traces.text import SESSION_GAP_S, TURN_GAP_S
+
     p.add_argument("--format", default="auto", metavar="FORMAT",
                    help=f"trace format: auto (sniffed, the default) or one of {', '.join(formats)}")
     p.add_argument("--block-size", type=positive_int, metavar="TOKENS",
@@ -304,6 +355,12 @@ def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
                    help="read at most N records (lines; session files for claude-code, trajectories for swe-agent)")
     p.add_argument("--strict", action="store_true", help="fail on the first malformed trace record instead of "
                                                          "skipping it (skipped records are listed on stderr)")
+    p.add_argument("--fixed-clock", action="store_true",
+                   help=f"time traces without times ({', '.join(UNTIMED_FORMATS)}) by the old fixed clock: "
+                        f"conversations {SESSION_GAP_S:g} s apart, turns {TURN_GAP_S:g} s apart (default: seeded "
+                        "Poisson arrivals and log-normal think times, docs/traces.md)")
+    p.add_argument("--clock-seed", type=int, default=0, metavar="N",
+                   help="seed of the random clock of traces without times (default 0: same seed, same trace)")
 
 
 def _progress_option(p: argparse.ArgumentParser) -> None:
@@ -314,10 +371,10 @@ def _progress_option(p: argparse.ArgumentParser) -> None:
 def _capacity_options(p: argparse.ArgumentParser, frac_default: str = "") -> argparse._MutuallyExclusiveGroup:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--capacity-blocks", type=_csv(int), metavar="N[,N...]",
-                       help="HBM capacity in blocks, one run per value")
+                       help="capacities to sweep: HBM capacity in blocks, one run per value")
     group.add_argument("--capacity-frac", type=_csv(float), metavar="F[,F...]",
-                       help="HBM capacity as a fraction (0, 1] of the trace's unique blocks, one run per value"
-                            + (f" (default {frac_default})" if frac_default else ""))
+                       help="capacities to sweep: HBM capacity as a fraction (0, 1] of the trace's unique blocks, "
+                            "one run per value" + (f" (default {frac_default})" if frac_default else ""))
     return group
 
 
@@ -411,8 +468,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--live", action="store_true",
                     help="replay through the live control plane instead: real tier actors of --cluster with real "
                          "backends (under a scratch directory), the policy run by the control plane actor; prints "
-                         "the simulator's figures for the same tiers beside the live ones. --capacity-* then give "
-                         "one value per tier of the cluster (default: the cluster's own). Needs kvcluster[cluster]")
+                         "the simulator's figures for the same tiers beside the live ones. The tiers are sized by "
+                         "--tier-fracs or --tier-blocks (default: the cluster's own capacities). Needs "
+                         "kvcluster[cluster]")
+    split = rp.add_mutually_exclusive_group()
+    split.add_argument("--tier-fracs", type=_csv(float), metavar="F,F[,F...]",
+                       help="with --live: the size of each tier of the cluster's first node, fastest first, as a "
+                            "fraction (0, 1] of the trace's unique blocks; one value per tier, one run")
+    split.add_argument("--tier-blocks", type=_csv(int), metavar="N,N[,N...]",
+                       help="with --live: the size of each tier of the cluster's first node in blocks, fastest "
+                            "first; one value per tier, one run")
     rp.add_argument("--cluster", default="local", help="cluster YAML for --live (default local)")
     rp.add_argument("--live-block-bytes", type=positive_int, default=4096, metavar="BYTES",
                     help="payload bytes per block in --live (default 4096: stand-in KV, small to keep it quick)")

@@ -4,8 +4,9 @@
 tiers with capacity, bandwidth, latency and path, optionally its GPUs) plus where it
 runs, so the same file feeds the live actors, the control plane's hierarchy, the
 simulator (`kvcluster replay --topology`) and the cost model. Tier capacities are
-given in GiB and turned into block slots with the sizing engine's block payload for
-the model, so a tier holds exactly as many blocks as its bytes allow. `block_tokens`
+sizes with their unit (`capacity: 4GiB`, as everywhere a tier is written), turned into
+block slots with the sizing engine's block payload for the model, so a tier holds
+exactly as many blocks as its bytes allow. `block_tokens`
 is set here only: the Serve app's replicas take it from this file.
 """
 
@@ -18,7 +19,7 @@ from .errors import ConfigError
 from .model_spec import load_model_spec
 from .predictor import PredictorConfig
 from .storage.layout import layout_for
-from .tiers import DURABLE_TIERS, NODE_TIERS, NodeTiers, TierSpec
+from .tiers import NODE_TIERS, NodeTiers, TierSpec, check_tiers, format_size
 
 
 DEFAULT_POLICY = "bayes"  # what `kvcluster replay` runs by default too
@@ -32,12 +33,8 @@ class NodeEntry(NodeTiers):
     @field_validator("tiers")
     @classmethod
     def _actor_tiers(cls, tiers: list[TierSpec]) -> list[TierSpec]:
-        for t in tiers:
-            if t.tier not in NODE_TIERS:
-                raise ValueError(f"tier {t.tier!r} does not run as a node's tier actor (hbm lives in the model "
-                                 f"replicas, rdma is other nodes' pools); choose from {', '.join(NODE_TIERS)}")
-            if t.tier in DURABLE_TIERS and not t.path:
-                raise ValueError(f"tier {t.tier}: field path: the {t.tier} tier needs a directory")
+        check_tiers(tiers, NODE_TIERS, "a node's tier actor (hbm lives in the model replicas, rdma is other "
+                                       "nodes' pools)")
         return tiers
 
 
@@ -86,7 +83,8 @@ class ClusterConfig(BaseModel):
     def slots(self, tier: TierSpec) -> int:
         n = tier.usable_bytes // self.block_bytes()
         if n < 1:
-            raise ConfigError(f"tier {tier.tier} ({tier.capacity_gib} GiB) holds no {self.block_bytes()}-byte block")
+            raise ConfigError(f"tier {tier.kind} (capacity {format_size(tier.capacity)}) holds no "
+                              f"{self.block_bytes()}-byte block")
         return n
 
 

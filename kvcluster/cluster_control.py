@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .cluster_config import ClusterConfig
-from .simulator import TierPlan
+from .hierarchy import TierPlan
 from .tiers import TIER_ORDER, TierSpec
 
 
@@ -28,7 +28,7 @@ class ChainTier:
 
     @property
     def label(self) -> str:
-        return f"{self.node}/{self.tier.tier}"
+        return f"{self.node}/{self.tier.kind}"
 
     def plan(self) -> TierPlan:
         return TierPlan(self.label, self.capacity_blocks)
@@ -36,17 +36,17 @@ class ChainTier:
 
 def node_chains(cfg: ClusterConfig, slots: Mapping[tuple[str, str], int] | None = None) -> dict[str, list[ChainTier]]:
     """Each node's tiers, fastest first, with the capacity its hierarchy may use. `slots[(node, tier)]`
-    overrides a tier's blocks (default: the cluster's GiB / block bytes)."""
+    overrides a tier's blocks (default: the tier's usable bytes / block bytes)."""
     def cap(node: str, tier: TierSpec) -> int:
-        return slots[(node, tier.tier)] if slots and (node, tier.tier) in slots else cfg.slots(tier)
+        return slots[(node, tier.kind)] if slots and (node, tier.kind) in slots else cfg.slots(tier)
 
-    sharers = Counter(t.path for n in cfg.nodes for t in n.tiers if t.tier == "pfs")
+    sharers = Counter(t.path for n in cfg.nodes for t in n.tiers if t.kind == "pfs")
     chains = {}
     for node in cfg.nodes:
         chain = []
-        for tier in sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.tier)):
+        for tier in sorted(node.tiers, key=lambda t: TIER_ORDER.index(t.kind)):
             blocks = cap(node.name, tier)
-            if tier.tier == "pfs":
+            if tier.kind == "pfs":
                 blocks //= sharers[tier.path]
             chain.append(ChainTier(node.name, tier, max(1, blocks)))
         chains[node.name] = chain

@@ -26,7 +26,8 @@ from .errors import ConfigError
 from .model_spec import load_model_spec
 from .pricing import missing_prices
 from .policies.registry import policy_names
-from .simulator import PreparedTrace, ReplayResult, TierPlan, replay
+from .hierarchy import TierPlan
+from .simulator import PreparedTrace, ReplayResult, replay
 from .sizing import size_model
 from .tiers import load_node_tiers
 
@@ -81,7 +82,7 @@ def model_of(options: ReplayOptions) -> str:
 def topology_plan(cluster: ClusterConfig, block_bytes: int) -> list[TierPlan]:
     """The first node's hierarchy as its control plane runs it (`node_chains`), in blocks of `block_bytes`."""
     node = cluster.node()
-    slots = {(node.name, t.tier): t.usable_bytes // max(1, block_bytes) for t in node.tiers}
+    slots = {(node.name, t.kind): t.usable_bytes // max(1, block_bytes) for t in node.tiers}
     chain = node_chains(cluster, slots)[node.name]
     return [t.plan() for t in chain]
 

@@ -27,9 +27,9 @@ def state_paths(cfg: ClusterConfig) -> list[Path]:
         for tier in node.tiers:
             if tier.path is None:
                 continue
-            if tier.tier == "nvme":
+            if tier.kind == "nvme":
                 paths.append(Path(tier.path) / node.name / NVME_SLAB)
-            elif tier.tier == "pfs":
+            elif tier.kind == "pfs":
                 paths.append(Path(tier.path) / "kv")
     paths.append(Path(cfg.checkpoint_dir) / PREDICTOR_CHECKPOINT)
     return list(dict.fromkeys(paths))  # a shared pfs path is named by every node: once

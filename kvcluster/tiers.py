@@ -13,17 +13,63 @@ latency and medium may be left out: the kind's figures below fill them in.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, field_validator, model_validator
+from pydantic_core import core_schema
 
 from .config_files import load_yaml_model, resolve_config
 from .errors import ConfigError
 
 GB = 1e9
 GIB = 1 << 30
+
+# Sizes are written with their unit, e.g. `capacity: 512MiB` or `capacity: 1.5TiB`; binary (KiB, MiB, GiB, TiB,
+# PiB) and decimal (KB, MB, GB, TB, PB: as datasheets write them) units, B for bytes. A bare number is refused: 4 could be bytes, MiB or GiB.
+SIZE_UNITS: dict[str, int] = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "PiB": 1 << 50,
+                              "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15}
+_UNIT_BY_LOWER = {unit.lower(): factor for unit, factor in SIZE_UNITS.items()}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*$")
+SIZE_EXAMPLE = "a number and a unit (B, KiB, MiB, GiB, TiB, PiB, or KB, MB, GB, TB, PB), e.g. 512MiB or 1.5TiB"
+
+
+def parse_size(value: Any) -> int:
+    """Bytes of a size written with its unit ('512MiB', '1.5 TiB', '4GB', '4096B'); a ValueError says what
+    to write instead. Fractions of a byte round down."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"{value!r} has no unit; write {SIZE_EXAMPLE}")
+        raise ValueError(f"expected {SIZE_EXAMPLE}, got {value!r}")
+    match = _SIZE.match(value)
+    if not match or match.group(2).lower() not in _UNIT_BY_LOWER:
+        raise ValueError(f"{value!r} is not a size; write {SIZE_EXAMPLE}")
+    nbytes = int(Fraction(match.group(1)) * _UNIT_BY_LOWER[match.group(2).lower()])
+    if nbytes < 1:
+        raise ValueError(f"{value!r}: a size must be at least one byte")
+    return nbytes
+
+
+def format_size(nbytes: int) -> str:
+    """`nbytes` in the largest binary unit that writes it exactly ('512MiB', '1536MiB', '4097B');
+    `parse_size` reads it back to the same bytes."""
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        if nbytes % SIZE_UNITS[unit] == 0:
+            return f"{nbytes // SIZE_UNITS[unit]}{unit}"
+    return f"{nbytes}B"
+
+
+class ByteSize(int):
+    """A size in bytes, written with its unit (`parse_size`) and written back the same way (`format_size`)."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            parse_size, json_schema_input_schema=core_schema.str_schema(),
+            serialization=core_schema.plain_serializer_function_ser_schema(format_size, return_schema=core_schema.str_schema()))
 
 
 @dataclass(frozen=True)
@@ -66,6 +112,8 @@ DURABLE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.durable)
 NODE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.node_actor)
 TierName = Literal[TIER_ORDER]  # type: ignore[valid-type]
 
+_OLD_FIELDS = {"tier": "kind", "capacity_gib": "capacity", "capacity_mib": "capacity"}  # the three schemas' names
+
 _FROM_KIND = ("medium", "read_gbps", "write_gbps", "latency_us")
 
 
@@ -85,9 +133,11 @@ class TierSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tier: TierName = Field(description="Tier kind, fastest first: " + ", ".join(TIER_ORDER) + ".")
-    capacity_gib: float = Field(gt=0, description="Raw capacity of the tier on one node, GiB; the live actors turn "
-                                                  "the usable part into block slots of the model's block payload.")
+    kind: TierName = Field(description="Tier kind, fastest first: " + ", ".join(TIER_ORDER) + ".")
+    capacity: ByteSize = Field(description="Raw capacity of the tier, with its unit: e.g. 512MiB, 4GiB, 1.5TiB "
+                                           "(binary units; KB, MB, GB, TB, PB are decimal). Tier actors and the vLLM "
+                                           "connector turn the usable part into block slots of the model's "
+                                           "block payload.")
     usable_fraction: float = Field(1.0, gt=0, le=1, description="Share of the capacity given to the KV cache.")
     medium: str | None = Field(None, description="The hardware, e.g. 'DDR5-4800, 2 TB per node' (default: the "
                                                  "kind's).")
@@ -113,23 +163,31 @@ class TierSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _kind_defaults(cls, data: Any) -> Any:
-        """Fill the figures left out from the kind (an unknown kind is left for the field check to name)."""
-        if isinstance(data, dict) and data.get("tier") in KINDS:
-            kind = KINDS[data["tier"]]
+        """Fill the figures left out from the kind (an unknown kind is left for the field check to name); a
+        field of the older tier schemas is named with what replaces it."""
+        old = [f for f in _OLD_FIELDS if isinstance(data, dict) and f in data]
+        if old:
+            units = {"capacity_gib": "GiB", "capacity_mib": "MiB"}
+            hint = ", ".join(f"{_OLD_FIELDS[f]}: {data[f]}{units.get(f, '')}" for f in old)
+            raise ValueError(f"field {', '.join(old)}: a tier is written {{kind, capacity}} now, the capacity with "
+                             f"its unit: {hint}")
+        if isinstance(data, dict) and data.get("kind") in KINDS:
+            kind = KINDS[data["kind"]]
             data = {**{f: getattr(kind, f) for f in _FROM_KIND}, **{k: v for k, v in data.items() if v is not None}}
         return data
 
     @property
     def name(self) -> str:
-        return self.tier
+        return self.kind
 
     @property
-    def kind(self) -> TierKind:
-        return KINDS[self.tier]
+    def kind_info(self) -> TierKind:
+        """The kind's static properties (`TIER_KINDS`)."""
+        return KINDS[self.kind]
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.capacity_gib * GIB * self.usable_fraction)
+        return int(self.capacity * self.usable_fraction)
 
     def read_seconds(self, nbytes: int) -> float:
         """Time to bring `nbytes` from this tier into HBM."""
@@ -137,6 +195,33 @@ class TierSpec(BaseModel):
 
     def write_seconds(self, nbytes: int) -> float:
         return self.latency_us * 1e-6 + nbytes / (self.write_gbps * GB)
+
+
+T = TypeVar("T", bound=TierSpec)
+
+
+def fastest_first(tiers: Iterable[T]) -> list[T]:
+    """Each kind once, fastest first whatever order they are written in (every hierarchy reads them so): the one
+    ordering rule of every list of tiers (a node's, a cluster node's, the vLLM connector's)."""
+    tiers = list(tiers)
+    kinds = [tier.kind for tier in tiers]
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1}, key=TIER_ORDER.index)
+    if repeated:
+        raise ValueError(f"field kind: each kind at most once, {', '.join(repeated)} repeats (tiers: {kinds})")
+    return sorted(tiers, key=lambda t: TIER_ORDER.index(t.kind))
+
+
+def check_tiers(tiers: Sequence[TierSpec], allowed: Sequence[str], who: str, memory_takes_path: bool = True) -> None:
+    """A ValueError naming the field when a tier's kind is not one `who` runs, or a durable tier has no path
+    (or, with `memory_takes_path` false, a memory tier has one)."""
+    for tier in tiers:
+        if tier.kind not in allowed:
+            raise ValueError(f"field kind: {who} runs no {tier.kind} tier; choose from {', '.join(allowed)}")
+        if tier.kind_info.durable and not tier.path:
+            raise ValueError(f"tier {tier.kind}: field path: the {tier.kind} tier needs a directory")
+        if not memory_takes_path and not tier.kind_info.durable and tier.path:
+            raise ValueError(f"tier {tier.kind}: field path: the {tier.kind} tier keeps its bytes in memory and "
+                             f"takes no path")
 
 
 class GpuSpec(BaseModel):
@@ -175,15 +260,11 @@ class NodeTiers(BaseModel):
     @field_validator("tiers")
     @classmethod
     def _unique_fastest_first(cls, tiers: list[TierSpec]) -> list[TierSpec]:
-        """Each kind once; kept fastest first whatever order they are written in (every hierarchy reads them so)."""
-        names = [tier.tier for tier in tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names repeat: {names}")
-        return sorted(tiers, key=lambda t: TIER_ORDER.index(t.tier))
+        return fastest_first(tiers)
 
     def tier(self, name: str) -> TierSpec:
         for tier in self.tiers:
-            if tier.tier == name:
+            if tier.kind == name:
                 return tier
         raise ConfigError(f"node {self.name!r} has no tier {name!r}")
 

@@ -77,6 +77,20 @@ SECTIONS = (
         tables=("tier_kinds_table",),
     ),
     Section(
+        "vLLM app and connector",
+        "The `args` of the vLLM Serve app (`configs/serve.yaml`, `kvcluster.serve_apps.vllm_app:build_app`), and "
+        "the vLLM connector's `kv_connector_extra_config` (`kvcluster/integrations/vllm/store.py:parse_config`, "
+        "checked when the engine starts; errors name the field). The connector's `tiers` are the one tier spec "
+        "([TierSpec](#tierspec)): `{kind, capacity, path}`, the capacity a size with its unit, as in a cluster or "
+        "tiers YAML. See docs/vllm.md.",
+        (
+            Model("kvcluster.serve_apps.vllm_config:VLLMAppConfig", "`applications[].args` of `configs/serve.yaml`."),
+            Model("kvcluster.integrations.vllm.store:ConnectorConfig", "`connector` of `VLLMAppConfig`, or vLLM's "
+                                                                       "`kv_transfer_config.kv_connector_extra_config`."),
+            Model("kvcluster.integrations.vllm.store:ClusterLink", "`cluster` of `ConnectorConfig`."),
+        ),
+    ),
+    Section(
         "Library and actor settings",
         "Not written in a YAML file today: built by code from the files above, or passed through the Python API.",
         (
@@ -84,7 +98,8 @@ SECTIONS = (
                                                          "predictor_config=...)`. The predictor actor started by "
                                                          "`kvcluster cluster up` uses the defaults."),
             Model("kvcluster.actors.tier_actor:TierActorConfig", "Built by `kvcluster cluster up` for each tier of each node "
-                                                       "of the cluster YAML (slots from the model's block payload)."),
+                                                       "of the cluster YAML (its tier as written there; slots from "
+                                                       "the model's block payload)."),
             Model("kvcluster.serving.sampling:SamplingParams", "Built by the ingress from an OpenAI request; the "
                                                                "replica's model runner samples with it."),
         ),
@@ -114,6 +129,11 @@ VALIDATOR_NOTES = {
     "NodeTiers.tiers": "each kind at most once; kept fastest first (hbm, dram, cxl, nvme, rdma, pfs)",
     "NodeEntry.tiers": "each kind at most once, kept fastest first; only kinds a node's tier actor runs (dram, "
                        "cxl, nvme, pfs); nvme and pfs need a `path`",
+    "ConnectorConfig.tiers": "each kind at most once, kept fastest first; only dram, nvme, pfs; nvme and pfs "
+                             "need a `path`, dram takes none",
+    "TierActorConfig.tier": "only kinds a node's tier actor runs (dram, cxl, nvme, pfs); nvme and pfs need a "
+                            "`path`",
+    "TierActorConfig": "the tier holds at least one block of `slot_bytes`",
     "CompletionRequest.prompt": "token ids must be >= 0",
     "CompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
     "ChatCompletionRequest.stop": "at most 4, none empty, each at most 256 characters",
@@ -214,6 +234,8 @@ def type_name(tp, known: set[str]) -> str:
     if origin is not None:
         inner = ", ".join(type_name(a, known) for a in args)
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else origin.__name__
+    if isinstance(tp, type) and tp.__name__ == "ByteSize":  # kvcluster.tiers.ByteSize: written with its unit
+        return "size (e.g. \"512MiB\", \"4GiB\", \"2TB\")"
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")

@@ -41,7 +41,7 @@ class VLLMAppConfig(BaseModel):
                                         "(vLLM's num_gpu_blocks_override; it must hold one request of "
                                         "max_model_len); default: as many as kv_cache_space_gib holds.")
     connector: ConnectorConfig | None = Field(
-        default_factory=lambda: ConnectorConfig(tiers=[{"kind": "dram", "capacity_mib": 512}]),
+        default_factory=lambda: ConnectorConfig(tiers=[{"kind": "dram", "capacity": "512MiB"}]),
         description="KVClusterConnector's kv_connector_extra_config (tiers fastest first, policy); null: "
                     "vLLM's own prefix cache only.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas; requests route by their leading block.")

@@ -35,8 +35,8 @@ def start_endpoint():
     cluster = os.path.join(tmp, "cluster.yaml")
     with open(cluster, "w") as f:
         f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
-                f"  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.05}}\n"
-                f"      - {{tier: pfs, capacity_gib: 0.1, path: {tmp}/pfs}}\n")
+                f"  - name: n0\n    tiers:\n      - {{kind: dram, capacity: 0.05GiB}}\n"
+                f"      - {{kind: pfs, capacity: 0.1GiB, path: {tmp}/pfs}}\n")
     os.environ["RAY_metrics_report_interval_ms"] = "1000"
     METRICS["port"] = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,

@@ -33,8 +33,8 @@ def ray_session():
 def cluster_actors(ray_session):
     index, predictor = start_global_actors(checkpoint_dir=os.path.join(ray_session, "pfs", "predictor"))
     node_id = ray.get_runtime_context().get_node_id()
-    dram = start_tier_actor(TierActorConfig(node="n0", tier="dram", slots=8, slot_bytes=4096), node_id)
-    pfs = start_tier_actor(TierActorConfig(node="n0", tier="pfs", slots=64, slot_bytes=4096,
+    dram = start_tier_actor(TierActorConfig.of(node="n0", kind="dram", slots=8, slot_bytes=4096), node_id)
+    pfs = start_tier_actor(TierActorConfig.of(node="n0", kind="pfs", slots=64, slot_bytes=4096,
                                            path=os.path.join(ray_session, "pfs")), node_id)
     return index, predictor, dram, pfs
 

@@ -10,10 +10,10 @@ from kvcluster.cluster_control import node_chains
 def two_nodes() -> ClusterConfig:
     return ClusterConfig.model_validate({
         "model": "kvcluster-tiny-llama", "checkpoint_dir": "/tmp/x",
-        "nodes": [{"name": "a", "tiers": [{"tier": "pfs", "capacity_gib": 1, "path": "/shared"},
-                                          {"tier": "dram", "capacity_gib": 1}]},
-                  {"name": "b", "ray_resource": "b", "tiers": [{"tier": "dram", "capacity_gib": 1},
-                                                               {"tier": "pfs", "capacity_gib": 1, "path": "/shared"}]}]})
+        "nodes": [{"name": "a", "tiers": [{"kind": "pfs", "capacity": "1GiB", "path": "/shared"},
+                                          {"kind": "dram", "capacity": "1GiB"}]},
+                  {"name": "b", "ray_resource": "b", "tiers": [{"kind": "dram", "capacity": "1GiB"},
+                                                               {"kind": "pfs", "capacity": "1GiB", "path": "/shared"}]}]})
 
 
 def test_chains_run_fastest_first_and_split_a_shared_pfs() -> None:

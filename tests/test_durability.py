@@ -47,7 +47,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
     cfg_path = tmp_path / "cluster.yaml"
     cfg_path.write_text(f"model: kvcluster-tiny-llama\nblock_tokens: 16\ncheckpoint_dir: {shared}/pfs/predictor\n"
                         f"predictor: {{prior_alpha: 3.0, pair_priors: {{tool/fork: [1.0, 7.0]}}}}\n"
-                        f"nodes:\n  - name: n0\n    tiers: [{{tier: pfs, capacity_gib: 0.1, path: {shared}/pfs}}]\n")
+                        f"nodes:\n  - name: n0\n    tiers: [{{kind: pfs, capacity: 0.1GiB, path: {shared}/pfs}}]\n")
     cfg = load_cluster_config(str(cfg_path))
     loaded = load_model("kvcluster-tiny-llama")
     tokens = [int(t) for t in np.random.RandomState(5).randint(3, 32000, 130)]

@@ -1,7 +1,7 @@
 """An identical replay that fits in the tiers is served from them: nothing acknowledged is lost on the way down.
 
-The first records of the shared Mooncake trace, scaled down 16x in length (each 512-token
-hash block becomes 32 tokens, so shared hash ids are shared prefixes), run twice through a
+The first records of the shared Mooncake trace, scaled down 32x in length (each 512-token
+hash block becomes one 16-token block, so shared hash ids are shared prefixes), run twice through a
 replica's store over real tier actors: a dram tier too small for them, so the control
 plane's policy demotes to nvme (the staged path payloads from the object store take) and on
 to pfs. Once the first pass's writes and moves have settled, the second pass must find every
@@ -40,7 +40,7 @@ from data_support import require_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RECORDS = 24
-SCALE = 16  # Mooncake's 512-token hash blocks become 32 tokens
+SCALE = 32  # Mooncake's 512-token hash blocks become 16 tokens: one block each
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -67,9 +67,9 @@ def test_an_identical_replay_reuses_every_usable_prompt_block(tmp_path):
     cfg_path.write_text(
         f"model: kvcluster-tiny-llama\nblock_tokens: 16\ncheckpoint_dir: {root}/pfs/predictor\nnodes:\n"
         f"  - name: n0\n    tiers:\n"
-        f"      - {{tier: dram, capacity_gib: {block_gib * unique_blocks / 4:.6f}}}\n"  # a quarter fits in dram
-        f"      - {{tier: nvme, capacity_gib: {block_gib * unique_blocks * 1.5:.6f}, path: {root}/nvme}}\n"
-        f"      - {{tier: pfs, capacity_gib: {block_gib * unique_blocks * 2:.6f}, path: {root}/pfs}}\n")
+        f"      - {{kind: dram, capacity: {block_gib * unique_blocks / 4:.6f}GiB}}\n"  # a quarter fits in dram
+        f"      - {{kind: nvme, capacity: {block_gib * unique_blocks * 1.5:.6f}GiB, path: {root}/nvme}}\n"
+        f"      - {{kind: pfs, capacity: {block_gib * unique_blocks * 2:.6f}GiB, path: {root}/pfs}}\n")
     cfg = load_cluster_config(str(cfg_path))
     os.environ["RAY_TMPDIR"] = root
     if ray.is_initialized():

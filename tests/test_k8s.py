@@ -398,20 +398,20 @@ def test_cluster_yaml_matches_the_worker_groups(rel, tmp_path):
         mounts = mounts_by_path(group)
         assert mounts[CLUSTER_MOUNT]["configMap"]["name"] == "kvcluster-cluster"
         for tier in node.tiers:
-            if tier.tier == "nvme":
+            if tier.kind == "nvme":
                 vol = mounts[tier.path]
                 assert "hostPath" in vol or "persistentVolumeClaim" in vol, vol
                 if "persistentVolumeClaim" in vol:  # a local PV pinned to one node
                     claim = one(objs, "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
                     pv = one(objs, "PersistentVolume", claim["spec"]["volumeName"])
                     assert "local" in pv["spec"] and pv["spec"]["nodeAffinity"]["required"]
-            if tier.tier == "pfs":
+            if tier.kind == "pfs":
                 pfs_paths.add(tier.path)
                 assert mounts[tier.path]["persistentVolumeClaim"]["claimName"] == "kvcluster-pfs"
-            if tier.tier == "dram":  # the tier fits in the pod next to Ray's object store
+            if tier.kind == "dram":  # the tier fits in the pod next to Ray's object store
                 limit = quantity(ray_container(group)["resources"]["limits"]["memory"])
                 store = float(group["rayStartParams"].get("object-store-memory", 0))
-                assert tier.capacity_gib * 2 ** 30 + store < 0.8 * limit, owners[0]
+                assert tier.capacity + store < 0.8 * limit, owners[0]
     (pfs,) = pfs_paths
     assert cluster.checkpoint_dir.startswith(pfs + "/")
     # the predictor (checkpoints on pfs) may run on any node, the head included

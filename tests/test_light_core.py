@@ -51,7 +51,7 @@ def test_importing_the_core_loads_no_cluster_package() -> None:
 def test_the_cluster_command_says_what_to_install_when_ray_is_absent(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: kvcluster-tiny-llama\ncheckpoint_dir: {tmp_path}\nnodes:\n"
-                   "  - name: n0\n    tiers: [{tier: dram, capacity_gib: 0.01}]\n")
+                   "  - name: n0\n    tiers: [{kind: dram, capacity: 0.01GiB}]\n")
     out = core_cli("cluster", "status", str(cfg))
     assert out.returncode == 2 and "pip install 'kvcluster[cluster]'" in out.stderr
 

@@ -87,7 +87,7 @@ def test_stand_in_bytes_differ_for_every_block() -> None:
 
 def test_the_cli_prints_the_simulators_json_with_the_live_figures(mooncake) -> None:
     run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(mooncake), "--live", "--policy", "lru",
-                          "--capacity-blocks", "40,80,200", "--max-records", "60", "--json"],
+                          "--tier-blocks", "40,80,200", "--max-records", "60", "--json"],
                          capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout)
@@ -98,10 +98,16 @@ def test_the_cli_prints_the_simulators_json_with_the_live_figures(mooncake) -> N
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--policy", "belady", "--capacity-blocks", "1,1,1"], "offline policy"),
-    (["--policy", "lru", "--capacity-blocks", "1,1"], "one value per tier"),
+    (["--policy", "belady", "--tier-blocks", "1,1,1"], "offline policy"),
+    (["--policy", "lru", "--tier-blocks", "1,1"], "--tier-blocks: give one value per tier of node n0 "
+                                                  "(n0/dram, n0/nvme, n0/pfs), fastest first; got 2"),
+    (["--policy", "lru", "--tier-fracs", "0.1"], "--tier-fracs: give one value per tier of node n0"),
     (["--policy", "lru", "--tiers", "h100-node"], "--tiers is a simulator option"),
-    (["--policy", "lru", "--capacity-frac", "0,0.1,0.2"], "--capacity-frac"),
+    (["--policy", "lru", "--tier-fracs", "0,0.1,0.2"], "--tier-fracs values must be in (0, 1]"),
+    # --capacity-* always sweep capacities: never read as the live tiers' split
+    (["--policy", "lru", "--capacity-frac", "0.02,0.05,0.1"], "--capacity-frac sweeps the capacity of the "
+                                                             "simulator's single tier"),
+    (["--policy", "lru", "--capacity-blocks", "4"], "--capacity-blocks sweeps"),
 ])
 def test_bad_live_options_are_refused_by_name(mooncake, argv, message: str) -> None:
     run = subprocess.run([sys.executable, "-m", "kvcluster.cli", "replay", str(mooncake), "--live", "--max-records", "5",
@@ -122,7 +128,7 @@ def test_a_dead_tier_actor_fails_its_part_of_a_plan_without_stopping_the_rest(ow
 
     index = IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote()
     here = ray.get_runtime_context().get_node_id()
-    src, alive, dead = (start_tier_actor(TierActorConfig(node=n, tier="dram", slots=4, slot_bytes=4096), here)
+    src, alive, dead = (start_tier_actor(TierActorConfig.of(node=n, kind="dram", slots=4, slot_bytes=4096), here)
                         for n in ("io-s", "io-a", "io-b"))
     mover = RemoteMover([src, alive, dead], ["kvcluster/io-s/dram", "kvcluster/io-a/dram", "kvcluster/io-b/dram"],
                         timeout_s=30)

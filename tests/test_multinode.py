@@ -110,14 +110,14 @@ def test_a_block_written_on_a_is_read_from_b_over_nixl_and_pfs_outlives_its_node
     assert all(np.array_equal(g, d) for g, d in zip(got, data))  # bytes crossed nodes through NIXL
     assert ray.get(index.longest_prefix.remote(KEYS)).best_node() == "a"
 
-    pfs_cfg = TierActorConfig(node="a", tier="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs"))
+    pfs_cfg = TierActorConfig.of(node="a", kind="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs"))
     pfs_a = TierActor.options(scheduling_strategy=pinned(node_a.node_id)).remote(pfs_cfg.model_dump())
     assert ray.get(pfs_a.put_many.remote(KEYS, data)) == [True] * 4
 
     c.remove_node(node_a)  # node A and everything in its memory is gone
     ray.get(index.lost.remote("a", "dram"))
     pfs_b = TierActor.options(scheduling_strategy=pinned(node_b.node_id)).remote(
-        TierActorConfig(node="b", tier="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs")).model_dump())
+        TierActorConfig.of(node="b", kind="pfs", slots=16, slot_bytes=1 << 16, path=os.path.join(tmp, "pfs")).model_dump())
     got = ray.get(pfs_b.get_many.remote(KEYS))
     assert all(np.array_equal(g, d) for g, d in zip(got, data))  # the shared filesystem still serves them
     assert ray.get(rdma_b.get_many.remote(KEYS), timeout=60) == [None] * 4  # A's memory is gone: misses
@@ -137,10 +137,10 @@ checkpoint_dir: {tmp}/cli/predictor
 index_shards: 2
 nodes:
   - name: cli-head
-    tiers: [{{tier: dram, capacity_gib: 0.01}}]
+    tiers: [{{kind: dram, capacity: 0.01GiB}}]
   - name: cli-b
     ray_resource: node_b
-    tiers: [{{tier: dram, capacity_gib: 0.01}}, {{tier: pfs, capacity_gib: 0.02, path: {tmp}/cli/pfs}}]
+    tiers: [{{kind: dram, capacity: 0.01GiB}}, {{kind: pfs, capacity: 0.02GiB, path: {tmp}/cli/pfs}}]
 """)
 
     def cli(*args: str) -> dict:
@@ -173,9 +173,9 @@ def test_cluster_cli_names_the_bad_field(tmp_path, capsys) -> None:
     from kvcluster.cli import main
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\nnodes: [{name: n0, tiers: [{tier: tape, capacity_gib: 1}]}]\n")
+    bad.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\nnodes: [{name: n0, tiers: [{kind: tape, capacity: 1GiB}]}]\n")
     assert main(["cluster", "up", str(bad)]) == 2
-    assert "field nodes.0.tiers.0.tier" in capsys.readouterr().err
+    assert "field nodes.0.tiers.0.kind" in capsys.readouterr().err
 
 
 def test_cluster_cli_without_a_cluster_is_one_clear_line() -> None:
@@ -214,7 +214,7 @@ def test_each_node_controller_places_its_own_writers_blocks_and_a_reader_copies_
     for node, where in (("h", head_id), ("b", node_b.node_id)):
         drams[node] = TierActor.options(name=f"kvcluster/{node}/dram", namespace=NAMESPACE,
                                         scheduling_strategy=pinned(where)).remote(
-            TierActorConfig(node=node, tier="dram", **cfg).model_dump())
+            TierActorConfig.of(node=node, kind="dram", **cfg).model_dump())
         ray.get(drams[node].describe.remote())
         controls[node] = NodeControlActor.options(name=control_name(node), namespace=NAMESPACE,
                                                   scheduling_strategy=pinned(where)).remote(
@@ -276,7 +276,7 @@ def test_a_replica_store_survives_the_loss_of_the_node_holding_its_prefix(cluste
     predictor = PredictorActor.options(name=PREDICTOR_NAME, namespace=NAMESPACE).remote(os.path.join(tmp, "loss"))
     b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
                                scheduling_strategy=pinned(node_b.node_id)).remote(
-        TierActorConfig(node="b", tier="dram", slots=8, slot_bytes=1 << 16).model_dump())
+        TierActorConfig.of(node="b", kind="dram", slots=8, slot_bytes=1 << 16).model_dump())
     data = [np.random.default_rng(20 + i).integers(0, 255, 1 << 15, dtype=np.uint8) for i in range(len(KEYS))]
     assert ray.get(b_dram.put_many.remote(KEYS, data)) == [True] * 4
     wait_for(lambda: ray.get(index.longest_prefix.remote(KEYS)).length == 4)
@@ -324,7 +324,7 @@ def test_an_engines_lent_pages_are_read_from_another_node_and_forgotten_when_it_
     data = [torch.cat(kv.block_pages(b)).numpy().copy() for b in held]
     b_dram = TierActor.options(name="kvcluster/b/dram", namespace=NAMESPACE,
                                scheduling_strategy=pinned(head_id)).remote(
-        TierActorConfig(node="b", tier="dram", slots=8, slot_bytes=1 << 15).model_dump())
+        TierActorConfig.of(node="b", kind="dram", slots=8, slot_bytes=1 << 15).model_dump())
     assert ray.get(b_dram.put_many.remote(KEYS, data)) == [True] * 4
     lender = NixlRegionLender(kv.regions)
     lent_actor = LentPagesActor.options(name="kvcluster/a/hbm", namespace=NAMESPACE,

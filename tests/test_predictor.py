@@ -80,6 +80,6 @@ def test_misspelt_or_bad_pair_priors_are_refused_by_name(tmp_path) -> None:
         PredictorConfig(pair_priors={"system/append": (0, 1)})
     path = tmp_path / "cluster.yaml"
     path.write_text("model: kvcluster-tiny-llama\ncheckpoint_dir: /tmp/x\npredictor: {horizon_s: -1}\n"
-                    "nodes: [{name: n0, tiers: [{tier: dram, capacity_gib: 0.01}]}]\n")
+                    "nodes: [{name: n0, tiers: [{kind: dram, capacity: 0.01GiB}]}]\n")
     with pytest.raises(ConfigError, match="predictor.horizon_s"):
         load_cluster_config(str(path))

@@ -14,9 +14,9 @@ def node(**dram) -> NodeTiers:
         "name": "priced",
         "model_copies": 2,
         "gpu": {"name": "g", "count": 2, "dense_bf16_tflops": 100, "usd_per_gpu_hour": 3.0, "price_source": "quote"},
-        "tiers": [{"tier": "hbm", "capacity_gib": 10},
-                  {"tier": "dram", "capacity_gib": 100, "usable_fraction": 0.5, **dram},
-                  {"tier": "nvme", "capacity_gib": 1000}],
+        "tiers": [{"kind": "hbm", "capacity": "10GiB"},
+                  {"kind": "dram", "capacity": "100GiB", "usable_fraction": 0.5, **dram},
+                  {"kind": "nvme", "capacity": "1000GiB"}],
     })
 
 
@@ -45,4 +45,4 @@ def test_a_price_needs_its_source() -> None:
     with pytest.raises(ValidationError, match="usd_per_gpu_hour needs a price_source"):
         NodeTiers.model_validate({"name": "n", "gpu": {"name": "g", "count": 1, "dense_bf16_tflops": 1,
                                                       "usd_per_gpu_hour": 1.0},
-                                  "tiers": [{"tier": "hbm", "capacity_gib": 1}]})
+                                  "tiers": [{"kind": "hbm", "capacity": "1GiB"}]})

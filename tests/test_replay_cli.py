@@ -56,7 +56,7 @@ def test_replay_over_a_priced_node_reports_cost_per_million_prompt_tokens(capsys
     assert code == 0 and "unpriced" not in data
     node = load_node_tiers("h100-node")
     gpus = 8 * node.gpu.usd_per_gpu_hour
-    per_tier = {t.tier: t.usable_bytes / GIB * t.usd_per_gib_month / HOURS_PER_MONTH for t in node.tiers[1:]}
+    per_tier = {t.kind: t.usable_bytes / GIB * t.usd_per_gib_month / HOURS_PER_MONTH for t in node.tiers[1:]}
     six, only_hbm, with_dram = data["results"][0], *data["reference_deployments"]
     assert only_hbm["cost"]["usd_per_hour"] == pytest.approx(gpus)
     assert with_dram["cost"]["usd_per_hour"] == pytest.approx(gpus + per_tier["dram"])
@@ -97,7 +97,8 @@ def test_replay_answers_at_finish_tells_each_answer_after_its_store(capsys) -> N
     """The vLLM connector's order: what `replay(answers_at_finish=True)` gives, which differs from the answers
     known at the store on a Claude Code session (tool calls and ends of turn)."""
     from data_support import require_data
-    from kvcluster.simulator import TierPlan, prepare, replay
+    from kvcluster.hierarchy import TierPlan
+    from kvcluster.simulator import prepare, replay
     from kvcluster.traces import load_trace
 
     path = str(require_data("weka_claude_code_traces", "trace_0017.json"))
@@ -122,8 +123,26 @@ def test_replay_answers_at_finish_tells_each_answer_after_its_store(capsys) -> N
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "x"], "invalid"),
         (["replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "4", "--calibration", "-1"], "--calibration"),
         (["replay", FIXTURE, "--policy", "lru", "--tiers", "laptop-cpu", "--lookahead-s", "1"], "--lookahead-s"),
+        (["replay", FIXTURE, "--policy", "lru", "--tier-fracs", "0.1,0.2,0.3"],
+         "--tier-fracs splits the tiers of a --live replay"),
+        (["replay", FIXTURE, "--policy", "lru", "--topology", "local", "--tier-blocks", "4,4,4"], "--tier-blocks splits"),
+        (["replay", FIXTURE, "--policy", "lru", "--tier-blocks", "4", "--tier-fracs", "0.1"], "not allowed with"),
     ],
 )
 def test_bad_replay_input_exits_2(capsys, argv, fragment) -> None:
     code, _, err = run(capsys, *argv)
     assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_capacity_flags_mean_a_sweep_and_tier_flags_a_split(capsys) -> None:
+    """One meaning per flag: three --capacity-frac values are three runs of the simulator, with or without
+    --live never three tiers; the per-tier split of a live replay is --tier-fracs / --tier-blocks."""
+    code, data, _ = run(capsys, "replay", FIXTURE, "--policy", "lru", "--capacity-frac", "0.1,0.5,1", "--json")
+    assert code == 0 and len(data["results"]) == 3 and all(len(r["per_tier"]) == 1 for r in data["results"])
+    code, _, err = run(capsys, "replay", FIXTURE, "--live", "--policy", "lru", "--capacity-frac", "0.1,0.5,1")
+    assert code == 2 and "--capacity-frac sweeps" in err and "--tier-fracs" in err
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--capacity-frac F[,F...] capacities to sweep" in help_text
+    assert "--tier-fracs F,F[,F...] with --live: the size of each tier" in help_text

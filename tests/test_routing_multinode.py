@@ -36,8 +36,8 @@ def two_node_endpoint():
     cluster_yaml = os.path.join(tmp, "cluster.yaml")
     with open(cluster_yaml, "w") as f:
         f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
-                "  - name: head\n    tiers: [{tier: dram, capacity_gib: 0.05}]\n"
-                "  - name: node-b\n    ray_resource: node_b\n    tiers: [{tier: dram, capacity_gib: 0.05}]\n")
+                "  - name: head\n    tiers: [{kind: dram, capacity: 0.05GiB}]\n"
+                "  - name: node-b\n    ray_resource: node_b\n    tiers: [{kind: dram, capacity: 0.05GiB}]\n")
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                      "object_store_memory": 192 << 20})
     c.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=192 << 20)

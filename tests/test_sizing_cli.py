@@ -104,9 +104,9 @@ def test_malformed_configs_exit_2(tmp_path: Path, capsys) -> None:
     no_type.write_text(json.dumps({"hidden_size": 8}))
     assert main(["size", str(tmp_path)]) == 2
     tiers = tmp_path / "t.yaml"
-    tiers.write_text("name: x\ngpu: {name: g, count: 1, dense_bf16_tflops: 1}\ntiers:\n  - {tier: dram, medium: m, capacity_gib: -1, read_gbps: 1, write_gbps: 1, latency_us: 0}\n")
+    tiers.write_text("name: x\ngpu: {name: g, count: 1, dense_bf16_tflops: 1}\ntiers:\n  - {kind: dram, medium: m, capacity: -1GiB, read_gbps: 1, write_gbps: 1, latency_us: 0}\n")
     assert main(["capacity", "gpt2", "--tiers", str(tiers)]) == 2
-    assert "tiers.0.capacity_gib" in capsys.readouterr().err
+    assert "tiers.0.capacity" in capsys.readouterr().err
     tiers.write_text("name: x\ngpu: {name: g, count: 1, dense_bf16_tflops: 1}\nbogus: 1\ntiers: []\n")
     assert main(["capacity", "gpt2", "--tiers", str(tiers)]) == 2
 

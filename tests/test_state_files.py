@@ -17,12 +17,12 @@ from kvcluster.storage import NVMeBackend, PFSBackend
 def _config(tmp_path: Path) -> Path:
     path = tmp_path / "cluster.yaml"
     path.write_text(f"model: kvcluster-tiny-llama\nblock_tokens: 16\ncheckpoint_dir: {tmp_path}/pfs/predictor\n"
-                    f"nodes:\n  - name: n0\n    tiers:\n      - {{tier: dram, capacity_gib: 0.01}}\n"
-                    f"      - {{tier: nvme, capacity_gib: 0.01, path: {tmp_path}/nvme}}\n"
-                    f"      - {{tier: pfs, capacity_gib: 0.01, path: {tmp_path}/pfs}}\n"
+                    f"nodes:\n  - name: n0\n    tiers:\n      - {{kind: dram, capacity: 0.01GiB}}\n"
+                    f"      - {{kind: nvme, capacity: 0.01GiB, path: {tmp_path}/nvme}}\n"
+                    f"      - {{kind: pfs, capacity: 0.01GiB, path: {tmp_path}/pfs}}\n"
                     f"  - name: n1\n    ray_resource: n1\n    tiers:\n"
-                    f"      - {{tier: nvme, capacity_gib: 0.01, path: {tmp_path}/nvme}}\n"
-                    f"      - {{tier: pfs, capacity_gib: 0.01, path: {tmp_path}/pfs}}\n")
+                    f"      - {{kind: nvme, capacity: 0.01GiB, path: {tmp_path}/nvme}}\n"
+                    f"      - {{kind: pfs, capacity: 0.01GiB, path: {tmp_path}/pfs}}\n")
     return path
 
 

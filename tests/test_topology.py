@@ -24,7 +24,6 @@ from kvcluster.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = str(Path(__file__).parent / "fixtures" / "traces" / "bailian.jsonl")
-GIB = 1 << 30
 
 
 def cluster_dict(tmp_path: Path) -> dict:
@@ -32,10 +31,10 @@ def cluster_dict(tmp_path: Path) -> dict:
     return {
         "model": "kvcluster-tiny-llama", "block_tokens": 16, "checkpoint_dir": str(tmp_path / "ckpt"),
         "nodes": [{"name": "n0", "gpu": {"name": "g", "count": 2, "dense_bf16_tflops": 4.0, "mfu": 0.25},
-                   "tiers": [{"tier": "pfs", "capacity_gib": 4 * 131072 / GIB, "path": str(tmp_path / "pfs")},
-                             {"tier": "dram", "capacity_gib": 2 * 131072 / GIB, "read_gbps": 4, "write_gbps": 2,
+                   "tiers": [{"kind": "pfs", "capacity": f"{4 * 131072}B", "path": str(tmp_path / "pfs")},
+                             {"kind": "dram", "capacity": f"{2 * 131072}B", "read_gbps": 4, "write_gbps": 2,
                               "latency_us": 7},
-                             {"tier": "nvme", "capacity_gib": 3 * 131072 / GIB, "path": str(tmp_path / "nvme")}]}],
+                             {"kind": "nvme", "capacity": f"{3 * 131072}B", "path": str(tmp_path / "nvme")}]}],
     }
 
 
@@ -55,10 +54,11 @@ def test_tier_sets_are_derived_from_the_one_kind_table() -> None:
     assert DURABLE_TIERS == ("nvme", "pfs")
     assert NODE_TIERS == ("dram", "cxl", "nvme", "pfs")
     for tier in NODE_TIERS:
-        assert TierActorConfig(node="n", tier=tier, slots=1, slot_bytes=1).tier == tier
+        path = "/tmp/x" if tier in DURABLE_TIERS else None
+        assert TierActorConfig.of(node="n", kind=tier, slots=1, slot_bytes=1, path=path).kind == tier
     for tier in ("hbm", "rdma"):
         with pytest.raises(ValueError, match="tier"):
-            TierActorConfig(node="n", tier=tier, slots=1, slot_bytes=1)
+            TierActorConfig.of(node="n", kind=tier, slots=1, slot_bytes=1)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import tier_bandwidth
@@ -69,12 +69,12 @@ def test_tier_sets_are_derived_from_the_one_kind_table() -> None:
 
 def test_left_out_figures_are_the_kind_s_and_given_ones_win(tmp_path) -> None:
     node = load_cluster_config(write(tmp_path, cluster_dict(tmp_path))).node()
-    assert [t.tier for t in node.tiers] == ["dram", "nvme", "pfs"]  # kept fastest first
+    assert [t.kind for t in node.tiers] == ["dram", "nvme", "pfs"]  # kept fastest first
     dram, nvme, _ = node.tiers
     assert (dram.read_gbps, dram.write_gbps, dram.latency_us, dram.medium) == (4, 2, 7, "host memory pool")
     assert (nvme.read_gbps, nvme.write_gbps, nvme.latency_us) == (2, 1, 100)
     laptop = load_node_tiers("laptop-cpu")  # writes capacities only
-    assert [(t.tier, t.read_gbps, t.write_gbps, t.latency_us) for t in laptop.tiers] == [
+    assert [(t.kind, t.read_gbps, t.write_gbps, t.latency_us) for t in laptop.tiers] == [
         (k.name, k.read_gbps, k.write_gbps, k.latency_us) for k in KINDS.values()]
 
 
@@ -106,11 +106,11 @@ def test_one_cluster_file_feeds_the_actors_the_simulator_and_the_cost_model(tmp_
     (lambda d: d["nodes"][0]["tiers"][1].update(bandwidth=3), "field nodes.0.tiers.1.bandwidth"),
     (lambda d: d["nodes"][0]["tiers"][1].update(read_gbps=0), "field nodes.0.tiers.1.read_gbps"),
     (lambda d: d["nodes"][0]["tiers"][1].update(latency_us=-1), "field nodes.0.tiers.1.latency_us"),
-    (lambda d: d["nodes"][0]["tiers"][1].update(tier="tape"), "field nodes.0.tiers.1.tier"),
-    (lambda d: d["nodes"][0]["tiers"].append({"tier": "hbm", "capacity_gib": 1}), "field nodes.0.tiers"),
+    (lambda d: d["nodes"][0]["tiers"][1].update(kind="tape"), "field nodes.0.tiers.1.kind"),
+    (lambda d: d["nodes"][0]["tiers"].append({"kind": "hbm", "capacity": "1GiB"}), "field nodes.0.tiers"),
     (lambda d: d["nodes"][0]["tiers"][2].pop("path"), "field nodes.0.tiers"),
     (lambda d: d["nodes"][0]["gpu"].update(count=0), "field nodes.0.gpu.count"),
-    (lambda d: d["nodes"][0]["tiers"].append({"tier": "dram", "capacity_gib": 1}), "tier names repeat"),
+    (lambda d: d["nodes"][0]["tiers"].append({"kind": "dram", "capacity": "1GiB"}), "each kind at most once, dram repeats"),
 ])
 def test_bad_topology_names_the_field(tmp_path, change, field) -> None:
     data = cluster_dict(tmp_path)
@@ -122,8 +122,8 @@ def test_bad_topology_names_the_field(tmp_path, change, field) -> None:
 
 def test_a_cluster_tier_that_no_actor_runs_says_why(tmp_path) -> None:
     data = cluster_dict(tmp_path)
-    data["nodes"][0]["tiers"].append({"tier": "rdma", "capacity_gib": 1})
-    with pytest.raises(ConfigError, match="'rdma' does not run as a node's tier actor"):
+    data["nodes"][0]["tiers"].append({"kind": "rdma", "capacity": "1GiB"})
+    with pytest.raises(ConfigError, match="field kind: a node's tier actor .* runs no rdma tier"):
         load_cluster_config(write(tmp_path, data))
     data["nodes"][0]["tiers"].pop()
     data["nodes"][0]["tiers"][2].pop("path")
@@ -157,3 +157,83 @@ def test_replay_topology_cli(tmp_path, capsys) -> None:
     assert main(["replay", FIXTURE, "--policy", "lru", "--topology", write(tmp_path, data)]) == 0
     out = capsys.readouterr().out
     assert "n0/dram=" in out and " - " in out
+
+
+@pytest.mark.parametrize("written, nbytes", [
+    ("512MiB", 512 << 20), ("1.5TiB", 3 << 39), ("4 GiB", 4 << 30), ("0.25gib", 1 << 28), ("2TB", 2 * 10**12),
+    ("30.72TB", 30_720_000_000_000), ("4097B", 4097), ("1PB", 10**15),
+])
+def test_a_size_is_written_with_its_unit_and_reads_back(written, nbytes) -> None:
+    from kvcluster.tiers import format_size, parse_size
+
+    assert parse_size(written) == nbytes
+    assert parse_size(format_size(nbytes)) == nbytes
+
+
+@pytest.mark.parametrize("written, message", [
+    (4, "4 has no unit"), ("4", "'4' is not a size"), ("4 bits", "is not a size"), ("0MiB", "at least one byte"),
+    ("-1GiB", "is not a size"), (True, "expected a number and a unit"),
+])
+def test_a_size_without_a_unit_is_refused_naming_what_to_write(written, message) -> None:
+    from kvcluster.tiers import parse_size
+
+    with pytest.raises(ValueError, match=message) as err:
+        parse_size(written)
+    assert "e.g. 512MiB" in str(err.value) or written == "0MiB"
+
+
+def test_a_tier_is_one_schema_in_a_tiers_file_a_cluster_file_the_actors_and_the_vllm_connector(tmp_path) -> None:
+    """{kind, capacity, path}: the same TierSpec, the same bytes, wherever a tier is written."""
+    from kvcluster.actors.tier_actor import TierActorConfig
+    from kvcluster.integrations.vllm import store
+    from kvcluster.tiers import TierSpec
+
+    written = {"kind": "nvme", "capacity": "3MiB", "path": str(tmp_path / "nvme")}
+    tiers_file = tmp_path / "node.yaml"
+    tiers_file.write_text(yaml.safe_dump({"name": "x", "tiers": [written]}))
+    data = cluster_dict(tmp_path)
+    data["nodes"][0]["tiers"] = [written]
+    from_tiers = load_node_tiers(str(tiers_file)).tiers[0]
+    from_cluster = load_cluster_config(write(tmp_path, data)).node().tiers[0]
+    from_connector = store.parse_config({"tiers": [written]}).tiers[0]
+    actor = TierActorConfig(node="n0", tier=from_cluster, slot_bytes=1 << 20)
+    assert from_tiers == from_cluster == from_connector == actor.tier == TierSpec(**written)
+    assert from_cluster.capacity == 3 << 20 and actor.slots == 3
+    assert TierActorConfig.model_validate(actor.model_dump()) == actor  # as a Ray actor receives it
+    assert [t.kind for t in store.parse_config({"tiers": [written, {"kind": "dram", "capacity": "1MiB"}]}).tiers] \
+        == ["dram", "nvme"]  # kept fastest first, by the one order
+
+
+def test_the_tier_order_is_defined_once() -> None:
+    import re
+
+    defined = [str(p.relative_to(ROOT)) for d in ("kvcluster", "serve_apps", "actors") for p in (ROOT / d).rglob("*.py")
+               if re.search(r"^\s*TIER_ORDER\s*[:=]", p.read_text(), re.M)]
+    assert defined == ["kvcluster/tiers.py"]
+
+
+@pytest.mark.parametrize("old, message", [
+    ({"tier": "dram", "capacity_gib": 4}, "field tier, capacity_gib: a tier is written {kind, capacity} now, the "
+                                          "capacity with its unit: kind: dram, capacity: 4GiB"),
+    ({"kind": "dram", "capacity_mib": 512}, "field capacity_mib: .* capacity: 512MiB"),
+])
+def test_a_tier_in_an_older_schema_says_what_to_write(tmp_path, old, message) -> None:
+    data = cluster_dict(tmp_path)
+    data["nodes"][0]["tiers"][1] = old
+    with pytest.raises(ConfigError, match=r"field nodes\.0\.tiers\.1: .*" + message.replace("{", r"\{").replace("}", r"\}")):
+        load_cluster_config(write(tmp_path, data))
+
+
+def test_every_shipped_config_writes_its_tiers_in_the_one_schema() -> None:
+    """Tiers files, cluster files, k8s cluster files and the vLLM app's connector all load."""
+    from kvcluster.serve_apps.vllm_config import load_app_config
+
+    for path in sorted((ROOT / "configs" / "tiers").glob("*.yaml")):
+        load_node_tiers(str(path))
+    for path in sorted((ROOT / "configs" / "cluster").glob("*.yaml")) + sorted((ROOT / "k8s").rglob("cluster.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if "nodes" in raw:
+            load_cluster_config(str(path))
+    (app,) = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())["applications"]
+    tiers = load_app_config(app["args"]).connector.tiers
+    assert [t.kind for t in tiers] == ["dram", "nvme", "pfs"]

@@ -47,7 +47,7 @@ def llm_config(model_dir: Path):
                 "kv_connector": "KVClusterConnector",
                 "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity_mib": 64}]}},
+                "kv_connector_extra_config": {"tiers": [{"kind": "dram", "capacity": "64MiB"}]}},
         },
         # one CPU for the engine, none for the replica actor beside it: the ingress takes the cluster's other
         placement_group_config={"bundles": [{"CPU": 1}]},

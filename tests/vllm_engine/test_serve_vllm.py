@@ -39,7 +39,7 @@ def client():
     from kvcluster.serve_apps.vllm_app import build_app
 
     with local_serve("kvv-") as (_, port):
-        serve.run(build_app({"model": MODEL, "connector": {"tiers": [{"kind": "dram", "capacity_mib": 64}]},
+        serve.run(build_app({"model": MODEL, "connector": {"tiers": [{"kind": "dram", "capacity": "64MiB"}]},
                              "api": {"max_tokens_limit": 64}}), name="vllm", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -103,8 +103,8 @@ def test_a_prefix_from_dram_and_nvme_gives_vllms_own_output(model_dir, reference
     """Loads read on the loader thread (the request waits) or before the step's forward; saves written on the
     saver thread or within the step: the same output either way."""
     cold, warm = reference
-    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 2},
-                                     {"kind": "nvme", "capacity_mib": 8, "path": str(tmp_path / "nvme")}],
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity": "2MiB"},
+                                     {"kind": "nvme", "capacity": "8MiB", "path": str(tmp_path / "nvme")}],
                          async_loads=background, async_saves=background)
     assert generate(llm) == cold  # nothing stored yet: computed, then its 4 full blocks saved
     assert (shared.saved_blocks, shared.loaded_blocks) == (4, 0)
@@ -126,7 +126,7 @@ def test_the_policy_counts_each_request_once_with_its_session_and_loaded_blocks(
     from kvcluster.integrations.vllm.connector import SESSION_PARAM, SPANS_PARAM
 
     cold, warm = reference
-    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 8}], policy="bayes", async_saves=False)
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity": "8MiB"}], policy="bayes", async_saves=False)
     calls, store = [], shared.store.store
 
     def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session="", continues=False):
@@ -201,7 +201,7 @@ def test_of_two_requests_of_one_session_running_together_only_the_latest_tells_i
     latest saved (parallel agents under one user) must not re-class the latest's blocks with its own answer."""
     from kvcluster.integrations.vllm.connector import SESSION_PARAM
 
-    llm, shared = engine(model_dir, [{"kind": "dram", "capacity_mib": 16}], policy="bayes", async_saves=False)
+    llm, shared = engine(model_dir, [{"kind": "dram", "capacity": "16MiB"}], policy="bayes", async_saves=False)
     calls, answered, store, told = [], [], shared.store.store, shared.store.answered
 
     def recorded(keys, payloads, pairs=None, finish="", output_tokens=0, session="", continues=False):
@@ -247,7 +247,7 @@ def test_a_finished_requests_answer_is_passed_on_as_the_front_vouches_for_it() -
 def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(model_dir, reference,
                                                                             tmp_path) -> None:
     cold, warm = reference
-    tiers = [{"kind": "pfs", "capacity_mib": 16, "path": str(tmp_path / "pfs")}]
+    tiers = [{"kind": "pfs", "capacity": "16MiB", "path": str(tmp_path / "pfs")}]
     llm, shared = engine(model_dir, tiers)
     assert generate(llm) == cold and shared.saved_blocks == 4
     close(llm)
@@ -280,7 +280,7 @@ def test_a_fresh_engine_loads_the_file_tier_and_a_corrupt_block_is_recomputed(mo
 def test_a_clean_shutdown_keeps_the_memory_tiers_blocks_in_the_pfs_tier_for_the_next_engine(
         model_dir, reference, tmp_path) -> None:
     cold, warm = reference
-    tiers = [{"kind": "dram", "capacity_mib": 16}, {"kind": "pfs", "capacity_mib": 16, "path": str(tmp_path / "pfs")}]
+    tiers = [{"kind": "dram", "capacity": "16MiB"}, {"kind": "pfs", "capacity": "16MiB", "path": str(tmp_path / "pfs")}]
     llm, shared = engine(model_dir, tiers)
     assert generate(llm) == cold and shared.saved_blocks == 4
     assert sorted(shared.store.tiered.manager.tier_of(k) for k in KEYS) == [0, 0, 0, 0]  # all in dram
@@ -295,14 +295,20 @@ def test_a_clean_shutdown_keeps_the_memory_tiers_blocks_in_the_pfs_tier_for_the_
 
 @pytest.mark.parametrize("extra, message", [
     ({"tiers": []}, "tiers"),
-    ({"tiers": [{"kind": "nvme", "capacity_mib": 8}]}, "tier nvme needs a path"),
-    ({"tiers": [{"kind": "pfs", "capacity_mib": 8, "path": "/tmp/x"}, {"kind": "dram", "capacity_mib": 8}]},
-     "fastest first"),
-    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "policy": "nope"}, "unknown policy 'nope'"),
-    ({"tiers": [{"kind": "dram", "capacity_mib": 8, "size": 1}]}, "size"),
-    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "cluster": {"address": "auto"}}, "cluster.node"),
-    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "cluster": {"node": "n0", "timeout_s": 0}}, "timeout_s"),
-    ({"tiers": [{"kind": "dram", "capacity_mib": 8}], "async_loads": "sometimes"}, "async_loads"),
+    ({"tiers": [{"kind": "nvme", "capacity": "8MiB"}]}, "tier nvme: field path: the nvme tier needs a directory"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB", "path": "/tmp/x"}]}, "tier dram: field path"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}, {"kind": "dram", "capacity": "8MiB"}]},
+     "field kind: each kind at most once, dram repeats"),
+    ({"tiers": [{"kind": "cxl", "capacity": "8MiB"}]}, "field kind: the vLLM connector runs no cxl tier"),
+    ({"tiers": [{"kind": "dram", "capacity": 512}]}, "tiers.0.capacity"),  # a bare number: bytes? MiB? refused
+    ({"tiers": [{"kind": "dram", "capacity": "512 MB/s"}]}, "is not a size"),
+    ({"tiers": [{"kind": "dram", "capacity_mib": 512}]}, "field capacity_mib: a tier is written {kind, capacity} "
+                                                         "now, the capacity with its unit: capacity: 512MiB"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "policy": "nope"}, "unknown policy 'nope'"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB", "size": 1}]}, "size"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": {"address": "auto"}}, "cluster.node"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": {"node": "n0", "timeout_s": 0}}, "timeout_s"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "async_loads": "sometimes"}, "async_loads"),
 ])
 def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None:
     from kvcluster.errors import ConfigError
@@ -311,6 +317,21 @@ def test_a_bad_extra_config_is_an_error_naming_the_field(extra, message) -> None
     with pytest.raises(ConfigError, match="kv_connector_extra_config") as err:
         parse_config(extra)
     assert message in str(err.value)
+
+
+def test_the_connector_s_tiers_are_the_one_tier_spec() -> None:
+    """`tiers` take the schema of a cluster or tiers YAML (kvcluster.tiers.TierSpec): sizes with their unit, in
+    any order, kept fastest first; what the engine is given back (model_dump) reads back the same."""
+    from kvcluster.integrations.vllm.store import ConnectorConfig, parse_config
+    from kvcluster.tiers import TierSpec
+
+    config = parse_config({"tiers": [{"kind": "pfs", "capacity": "1.5GiB", "path": "/tmp/x"},
+                                     {"kind": "dram", "capacity": "512MiB"}]})
+    assert all(type(t) is TierSpec for t in config.tiers)
+    assert [(t.kind, t.capacity) for t in config.tiers] == [("dram", 512 << 20), ("pfs", 1536 << 20)]
+    dumped = config.model_dump(exclude_none=True)
+    assert [t["capacity"] for t in dumped["tiers"]] == ["512MiB", "1536MiB"]
+    assert ConnectorConfig.model_validate(dumped) == config
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +352,7 @@ def two_nodes():
         c.add_node(num_cpus=1, resources={"n1": 1}, **args)
         ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
-        dram = [{"tier": "dram", "capacity_gib": 0.01}]  # 10 blocks of 1 MiB
+        dram = [{"kind": "dram", "capacity": "10MiB"}]  # 10 blocks of 1 MiB
         cfg = ClusterConfig.model_validate({
             "model": "kvcluster-tiny-llama", "block_tokens": BLOCK, "dtype": "fp32", "policy": "lru",
             "checkpoint_dir": os.path.join(tmp, "predictor"),
@@ -352,7 +373,7 @@ class LendingEngine:
     its connector in a process global), on the node it joins the cluster as."""
 
     def __init__(self, model_dir: str, node: str) -> None:
-        extra = {"tiers": [{"kind": "dram", "capacity_mib": 8}], "model_fingerprint": FINGERPRINT,
+        extra = {"tiers": [{"kind": "dram", "capacity": "8MiB"}], "model_fingerprint": FINGERPRINT,
                  "cluster": {"node": node}}
         self.llm = vllm.LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
                             enable_prefix_caching=True, max_model_len=2048, kv_transfer_config={
@@ -415,7 +436,7 @@ def test_on_a_cluster_an_engines_paged_kv_is_its_nodes_hbm_tier_read_straight_fr
         assert time.monotonic() < deadline, "the index never learned of n0's lent pages"  # reported per step
         time.sleep(0.2)
 
-    local = [{"kind": "dram", "capacity_mib": 8}]
+    local = [{"kind": "dram", "capacity": "8MiB"}]
     llm, shared = engine(model_dir, local, {"node": "n1"})
     assert generate(llm, prompts[0]) == warm[0]
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
@@ -458,7 +479,7 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     cold, warm = reference
     other = [random.Random(13).randrange(3, 32000) for _ in range(4 * BLOCK + 20)]
     other_keys = KeySpace(model=FINGERPRINT).chain_token_ids(other, BLOCK)
-    local = [{"kind": "dram", "capacity_mib": 8}]
+    local = [{"kind": "dram", "capacity": "8MiB"}]
     llm, shared = engine(model_dir, local, {"node": "n0"})
     assert generate(llm) == cold
     other_cold = generate(llm, other)  # computed: the reference for the second prompt
@@ -528,7 +549,7 @@ def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_sa
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         shutil.copy(tokenizer_dir() / name, tmp_path / name)
-    llm, shared = engine(tmp_path, [{"kind": "dram", "capacity_mib": 16}])
+    llm, shared = engine(tmp_path, [{"kind": "dram", "capacity": "16MiB"}])
     block_tokens = llm.llm_engine.vllm_config.cache_config.block_size
     latent = layout_for(load_model_spec(str(tmp_path / "config.json")), block_tokens, "fp32")
     assert latent.kind == "latent" and shared.local.tiered.block_bytes == latent.nbytes()

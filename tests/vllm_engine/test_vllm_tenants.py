@@ -40,7 +40,7 @@ class Engines:
 
     def __init__(self, model_dir: Path, files: Path) -> None:
         self.model_dir = model_dir
-        self.tiers = [{"kind": "pfs", "capacity_mib": 64, "path": str(files)}]  # 64 blocks of 1 MiB
+        self.tiers = [{"kind": "pfs", "capacity": "64MiB", "path": str(files)}]  # 64 blocks of 1 MiB
         self.llm = self.shared = None
 
     def current(self):

@@ -83,7 +83,7 @@ def counts(llm) -> list[tuple[int, int, int]]:
 def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_loads_both(
         model_dir, tp_reference, tmp_path) -> None:
     cold, warm = tp_reference
-    tiers = [{"kind": "pfs", "capacity_mib": 8, "path": str(tmp_path / "pfs")}]
+    tiers = [{"kind": "pfs", "capacity": "8MiB", "path": str(tmp_path / "pfs")}]
     llm = tp_engine(model_dir, tiers)
     assert generate(llm) == cold  # computed; each worker saves its shard of the 4 full blocks
     assert counts(llm) == [(0, 0, 4), (0, 0, 4)]
@@ -124,7 +124,7 @@ def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_
     from kvcluster.actors.index_client import IndexClient
 
     cold, warm = tp_reference
-    local = [{"kind": "dram", "capacity_mib": 8}]
+    local = [{"kind": "dram", "capacity": "8MiB"}]
     link = {"node": "n0", "address": ray.get_runtime_context().gcs_address}
     lender = tp_engine(model_dir, local, link)
     assert generate(lender) == cold

@@ -2,7 +2,8 @@
 
 With `cluster`, the engine's own tiers are the first of a kvcluster cluster's (`kvcluster cluster up`): the
 scheduler asks them, then the cluster's block index, how much of a prompt is held anywhere; loads read
-this node's tier actors first and other nodes' memory tiers over NIXL (`ClusterBlockStore`), and new
+this node's tier actors first and other nodes' memory tiers over NIXL (the store `cluster.store_factory`
+builds, resolved at run time: `ClusterBlockStore` by default), and new
 blocks go to the control plane, whose policy places them in the cluster's tiers. A tier actor that is
 gone or slow is a miss, and vLLM recomputes.
 
@@ -17,11 +18,12 @@ tiers start empty with their process (the nvme slab's index lives in memory).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -35,17 +37,13 @@ from ...storage.memory import dram_backend
 from ...storage.nvme import NVMeBackend
 from ...storage.pfs import PFSBackend, stored_keys
 from ...storage.tiered import TieredStore
+from ...tiers import TierSpec, check_tiers, fastest_first, format_size
 
-MIB = 1 << 20
-TIER_ORDER = ("dram", "nvme", "pfs")  # fastest first, as everywhere in kvcluster
+if TYPE_CHECKING:
+    from .base import Cluster, ConnectorStore, Lending
 
-
-class TierConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["dram", "nvme", "pfs"] = Field(description="the medium: host memory, a slab file, block files")
-    capacity_mib: float = Field(gt=0, description="bytes this tier may hold, in MiB")
-    path: str | None = Field(None, description="directory of the nvme slab or the pfs block files")
+DEFAULT_CLUSTER_FACTORY = "kvcluster.serve_apps.engine_cluster:connect"  # the Ray cluster's store
+CONNECTOR_TIERS = ("dram", "nvme", "pfs")  # the kinds an engine's own store runs (kept in kvcluster.tiers.TIER_ORDER)
 
 
 class ClusterLink(BaseModel):
@@ -61,6 +59,10 @@ class ClusterLink(BaseModel):
                                                      "is a miss")
     nixl_staging_mib: float | None = Field(32.0, gt=0, description="staging buffer of NIXL reads from memory "
                                                                    "tiers; null reads them through Ray's object store")
+    store_factory: str = Field(DEFAULT_CLUSTER_FACTORY, pattern=r"^[\w.]+:\w+$",
+                               description="module:callable that joins the cluster for this link and returns its "
+                                           "store and index (kvcluster.integrations.vllm.base.Cluster); the "
+                                           "default is kvcluster's Ray cluster")
     lend_paged_kv: bool = Field(True, description="lend this engine's paged KV as the node's hbm tier: other "
                                                   "nodes read its blocks straight from its pages over NIXL (one "
                                                   "engine per node; with tensor parallelism each worker lends its "
@@ -72,7 +74,9 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tiers: list[TierConfig] = Field(min_length=1, description="fastest first; new blocks enter the first")
+    tiers: list[TierSpec] = Field(min_length=1, description="{kind, capacity, path} as every tier is written "
+                                  "(kvcluster.tiers.TierSpec; capacity with its unit, e.g. 512MiB); kinds dram, "
+                                  "nvme, pfs, each once, kept fastest first; new blocks enter the first")
     policy: str = Field(DEFAULT_POLICY, description="eviction policy of the tiers, as a cluster's (`bayes` runs in "
                                                    "the first tier, LRU below; see `kvcluster replay --policies`)")
     model_fingerprint: str | None = Field(
@@ -90,16 +94,9 @@ class ConnectorConfig(BaseModel):
 
     @field_validator("tiers")
     @classmethod
-    def _ordered_with_paths(cls, tiers: list[TierConfig]) -> list[TierConfig]:
-        kinds = [t.kind for t in tiers]
-        if len(set(kinds)) != len(kinds) or kinds != sorted(kinds, key=TIER_ORDER.index):
-            raise ValueError(f"tiers must be distinct and fastest first ({', '.join(TIER_ORDER)}), got {kinds}")
-        for t in tiers:
-            if t.kind != "dram" and not t.path:
-                raise ValueError(f"tier {t.kind} needs a path")
-            if t.kind == "dram" and t.path:
-                raise ValueError("tier dram takes no path")
-        return tiers
+    def _ordered_with_paths(cls, tiers: list[TierSpec]) -> list[TierSpec]:
+        check_tiers(tiers, CONNECTOR_TIERS, "the vLLM connector", memory_takes_path=False)
+        return fastest_first(tiers)
 
     @field_validator("policy")
     @classmethod
@@ -133,11 +130,11 @@ def files_held(config: ConnectorConfig) -> list[BlockKey]:
     return [key for t in config.tiers if t.kind == "pfs" for key in stored_keys(t.path)]
 
 
-def _backend(tier: TierConfig, block_bytes: int) -> StorageBackend:
-    slots = int(tier.capacity_mib * MIB) // block_bytes
+def _backend(tier: TierSpec, block_bytes: int) -> StorageBackend:
+    slots = tier.usable_bytes // block_bytes
     if slots < 1:
-        raise ConfigError(f"kv_connector_extra_config: tier {tier.kind} holds {tier.capacity_mib} MiB, "
-                          f"less than one block of {block_bytes:,} bytes")
+        raise ConfigError(f"kv_connector_extra_config: tier {tier.kind}: field capacity: "
+                          f"{format_size(tier.usable_bytes)} is less than one block of {block_bytes:,} bytes")
     if tier.kind == "dram":
         return dram_backend(slots, block_bytes)
     if tier.kind == "nvme":
@@ -157,95 +154,39 @@ def build_store(config: ConnectorConfig, block_bytes: int) -> LocalBlockStore:
     return LocalBlockStore(tiered)
 
 
-def _join_ray(link: ClusterLink) -> None:
-    """Join the Ray cluster of `link` unless this process has joined one, or a ConfigError naming the address."""
-    import ray
-
-    from ...actors.index_actor import NAMESPACE
-
-    if ray.is_initialized():
-        return
+def open_cluster(link: ClusterLink) -> Cluster:
+    """The cluster `link` names, through the factory its `store_factory` names ("module:callable", imported
+    now: the core never imports the Ray side), or a ConfigError naming the field."""
+    module_name, _, attr = link.store_factory.partition(":")
     try:
-        ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
-                          f"{first}") from None
-
-
-def cluster_index(link: ClusterLink):
-    """The block index of the cluster `link` names (`IndexClient`), for a scheduler whose workers run
-    elsewhere, or a ConfigError that says what is missing."""
-    from ...actors.index_client import IndexClient
-
-    _join_ray(link)
-    try:
-        return IndexClient.connect(timeout_s=link.timeout_s)
-    except (ValueError, TimeoutError) as exc:  # no index actor, or one that does not answer (Ray's GetTimeoutError)
-        raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's index is not running ({exc}); start "
-                          f"the cluster first (`kvcluster cluster up CONFIG`)") from None
-
-
-def join_cluster(link: ClusterLink, local: LocalBlockStore, block_bytes: int):
-    """A `ClusterBlockStore` over `local` on a running cluster, or a ConfigError that says what is missing."""
-    import ray
-
-    from ...actors.index_actor import NAMESPACE
-    from ...actors.tier_actor import actor_name
-    from ...serve_apps.cluster_store import ClusterBlockStore
-    from ...tiers import TIER_ORDER
-
-    _join_ray(link)
-    tiers = []
-    for tier in TIER_ORDER:
-        try:
-            tiers.append(ray.get_actor(actor_name(link.node, tier), namespace=NAMESPACE))
-        except ValueError:
-            continue
-    if not tiers:
-        raise ConfigError(f"kv_connector_extra_config.cluster.node: no tier actors of node {link.node!r} are "
-                          f"running; start the cluster first (`kvcluster cluster up CONFIG`)")
-    for described in ray.get([t.describe.remote() for t in tiers], timeout=link.timeout_s):
-        if described["slot_bytes"] < block_bytes:
-            raise ConfigError(
-                f"kv_connector_extra_config.cluster: tier {link.node}/{described['tier']} holds blocks of "
-                f"{described['slot_bytes']:,} bytes, this engine's blocks are {block_bytes:,} (vLLM's block of "
-                f"every layer); give the cluster YAML this engine's model, dtype and block_tokens")
-    try:
-        staging = None if link.nixl_staging_mib is None else int(link.nixl_staging_mib * MIB)
-        return ClusterBlockStore(local, link.node, timeout_s=link.timeout_s, nixl_staging_bytes=staging)
-    except ValueError as exc:  # the index or predictor actor is not running
-        raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's global actors are not running "
-                          f"({exc}); start the cluster first (`kvcluster cluster up CONFIG`)") from None
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"kv_connector_extra_config.cluster.store_factory: cannot load {link.store_factory!r} "
+                          f"({exc}); install kvcluster[cluster] for the Ray cluster's store") from None
+    return factory(link)
 
 
 @dataclass
 class EngineStore:
     """One engine's store and what its connector moved through it.
 
-    `local` is the engine's own tiers; `store` is what the connector reads and writes: `local` itself,
-    or a cluster's tiers behind it (`ClusterBlockStore`)."""
+    `local` is the engine's own tiers; `store` is what the connector reads and writes (`ConnectorStore`):
+    `local` itself, or a cluster's tiers behind it (`Cluster.store`). The connector calls `store` directly;
+    this record only keeps them and the counters together for the engine's two connectors."""
 
     local: LocalBlockStore
-    store: object  # LocalBlockStore or ClusterBlockStore: fetch(keys, out), store(keys, payloads)
+    store: ConnectorStore
     loaded_blocks: int = 0  # blocks copied from the store into vLLM's paged KV
     failed_blocks: int = 0  # blocks the scheduler was promised that did not load (corrupt or gone): recomputed
     saved_blocks: int = 0  # blocks copied from vLLM's paged KV into the store
     answers_told: int = 0  # finished requests whose answer (length, finish) went to the store's policy
     saving: list = field(default_factory=list)  # Futures of background stores (`async_saves`)
-    lending: object = None  # `PagedKVLending` when the engine lends its paged KV as its node's hbm tier
+    lending: Lending | None = None  # set when the engine lends its paged KV as its node's hbm tier
 
     def wait_saved(self, timeout_s: float | None = None) -> None:
         """Block until every background store handed over so far is in the tiers (or failed and logged)."""
         pending, self.saving = list(self.saving), []
         wait(pending, timeout=timeout_s)
-
-    def held(self, keys: list[BlockKey]) -> int:
-        """How many leading blocks of `keys` are held: in this engine's tiers, then anywhere in the cluster."""
-        n = self.local.held(keys)
-        if n == len(keys) or self.store is self.local:
-            return n
-        return n + self.store.remote_prefix(keys[n:])
 
 
 _stores: dict[str, EngineStore] = {}
@@ -258,7 +199,7 @@ def shared_store(engine: str, config: ConnectorConfig, block_bytes: int) -> Engi
         shared = _stores.get(engine)
         if shared is None:
             local = build_store(config, block_bytes)
-            remote = None if config.cluster is None else join_cluster(config.cluster, local, block_bytes)
+            remote = None if config.cluster is None else open_cluster(config.cluster).store(local, block_bytes)
             shared = _stores[engine] = EngineStore(local, local if remote is None else remote)
         elif shared.local.tiered.block_bytes != block_bytes:
             raise ConfigError(f"engine {engine}: connectors disagree on the block size "

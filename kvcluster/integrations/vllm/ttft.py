@@ -92,8 +92,8 @@ def measure(tokens: int, prompts: int, work: Path, workers: int = 1) -> dict:
         record("vllm_prefix_cache", llm, p)
     _close(llm)
 
-    pfs = [{"kind": "pfs", "capacity_mib": tokens * prompts // 64 + 64, "path": str(work / "pfs")}]
-    dram = [{"kind": "dram", "capacity_mib": tokens * prompts // 64 + 64}]
+    pfs = [{"kind": "pfs", "capacity": f"{tokens * prompts // 64 + 64}MiB", "path": str(work / "pfs")}]
+    dram = [{"kind": "dram", "capacity": f"{tokens * prompts // 64 + 64}MiB"}]
     llm = _engine(model, dram, workers)
     _ttft(llm, warmup)
     for p in batch:
