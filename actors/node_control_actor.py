@@ -27,7 +27,7 @@ from kvcluster.gap_sync import GapCounts, GapSync, sync_all
 from kvcluster.node_control import DEFAULT_LEASE_S, NodeController
 from kvcluster.policies.base import RequestContext
 from kvcluster.reuse_gap import GapModel
-from kvcluster.simulator import TierPlan
+from kvcluster.hierarchy import TierPlan
 
 from . import metrics
 from .index_actor import NAMESPACE

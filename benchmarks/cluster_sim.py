@@ -27,7 +27,8 @@ from harness import JsonOutput  # noqa: E402
 from kvcluster.cluster_sim import ClusterPlan, replay_cluster  # noqa: E402
 from kvcluster.errors import TraceError  # noqa: E402
 from kvcluster.policies.registry import POLICIES  # noqa: E402
-from kvcluster.simulator import TierPlan, prepare, replay  # noqa: E402
+from kvcluster.hierarchy import TierPlan  # noqa: E402
+from kvcluster.simulator import prepare, replay  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
 
 from hit_rate import traces as shared_traces  # noqa: E402

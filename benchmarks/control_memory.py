@@ -26,7 +26,8 @@ from hit_rate import load
 from kvcluster.cache_manager import MIN_KEYS_SWEPT, CacheManager
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import POLICIES
-from kvcluster.simulator import TierPlan, prepare, request_context
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import prepare, request_context
 
 
 FORGET_NOTHING = {"bayes": {"ghost_factor": 1e12, "max_sessions": 1 << 62}}  # policy options of the reference

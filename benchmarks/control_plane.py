@@ -28,7 +28,7 @@ from harness import JsonOutput, ratio  # noqa: E402
 
 from kvcluster.cache_manager import CacheManager  # noqa: E402
 from kvcluster.policies.base import RequestContext  # noqa: E402
-from kvcluster.simulator import TierPlan, build_hierarchy  # noqa: E402
+from kvcluster.hierarchy import TierPlan, build_hierarchy  # noqa: E402
 
 GOAL_PLAN_S = 1.0  # planning with a million blocks tracked stays within a second
 

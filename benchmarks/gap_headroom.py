@@ -59,7 +59,8 @@ from kvcluster.policies.bayes import BayesPolicy, _NT, answer_bucket, finish_ind
 from kvcluster.policies.lru import LRUPolicy
 from kvcluster.policies.registry import POLICIES, register
 from kvcluster.reuse_gap import GapModel
-from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import PreparedTrace, prepare, replay
 
 FRACTIONS = (0.02, 0.05, 0.10)
 WHEN_EDGES_S = (4, 8, 16, 32, 64, 128, 256)

@@ -22,7 +22,8 @@ import time
 from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import policy_names
-from kvcluster.simulator import TierPlan, prepare, replay
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import prepare, replay
 from kvcluster.traces import Trace, load_trace
 
 FRACTIONS = (0.02, 0.05, 0.10, 0.20)

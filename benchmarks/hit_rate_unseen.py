@@ -56,7 +56,8 @@ from hit_rate import SHAREGPT_RECORDS as TUNED_SHAREGPT_ENTRIES, load
 
 from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
-from kvcluster.simulator import PreparedTrace, TierPlan, prepare, replay
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import PreparedTrace, prepare, replay
 from kvcluster.traces import load_trace
 from kvcluster.traces.records import require_path
 from kvcluster.traces.sharegpt import root_id

@@ -14,7 +14,8 @@ from harness import JsonOutput
 
 from kvcluster.paths import shared_data_dir
 from kvcluster.policies.registry import policy_names
-from kvcluster.simulator import TierPlan, prepare, replay
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import prepare, replay
 from kvcluster.traces import load_trace
 
 

@@ -29,7 +29,8 @@ from kvcluster.errors import TraceError  # noqa: E402
 from kvcluster.policies import POLICIES  # noqa: E402
 from kvcluster.policies.base import RequestContext  # noqa: E402
 from kvcluster.serving.block_store import LocalBlockStore  # noqa: E402
-from kvcluster.simulator import TierPlan, prepare, replay, request_context  # noqa: E402
+from kvcluster.hierarchy import TierPlan  # noqa: E402
+from kvcluster.simulator import prepare, replay, request_context  # noqa: E402
 from kvcluster.storage import dram_backend  # noqa: E402
 from kvcluster.storage.tiered import TieredStore  # noqa: E402
 

@@ -16,7 +16,8 @@ from typing import Sequence
 
 from .block_types import BlockType, TransitionType
 from .keys import BlockKey
-from .simulator import TierPlan, prepare, replay
+from .hierarchy import TierPlan
+from .simulator import prepare, replay
 from .traces.base import Trace, TraceRequest
 
 

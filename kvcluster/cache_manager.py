@@ -34,11 +34,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .hierarchy import Hierarchy, ServeResult
+from .hierarchy import Hierarchy, ServeResult, TierPlan, build_hierarchy
 from .policies.base import RequestContext
 from .predictor import PredictorConfig
 from .prefetch import Prefetcher
-from .simulator import TierPlan, build_hierarchy
+
 
 MIN_KEYS_SWEPT = 4096  # the key table is swept for blocks no policy remembers at twice what it kept, and no sooner
 

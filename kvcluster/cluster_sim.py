@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .hierarchy import Hierarchy
+from .hierarchy import Hierarchy, TierPlan, build_hierarchy
 from .policies.registry import POLICIES, make_policy
 from .session_routing import SessionRouter
-from .simulator import PreparedTrace, TierPlan, build_hierarchy, request_context
+from .simulator import PreparedTrace, request_context
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ all tiers, promotes every block of the request into tier 0, and lets each tier's
 victims fall to the tier below (its policy decides whether they stay there);
 what falls out of the last tier is gone. Pure logic: the live system binds each
 tier to a storage backend and moves the bytes this class decides to move.
+
+`build_hierarchy` makes one from a policy name and a `TierPlan` per tier: the
+simulator, the cache manager and the cluster simulator all build theirs here.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Container, Sequence
 
 from .policies.base import EvictionPolicy, RequestContext
+from .policies.registry import make_policy
+from .predictor import PredictorConfig, ReusePredictor
 
 
 def leading_tiers(locate: Callable[[int], int | None], blocks: Sequence[int]) -> list[int]:
@@ -175,3 +180,43 @@ class Hierarchy:
             policy.check_integrity()
         union = set().union(*(p.resident() for p in self.policies))
         assert len(union) == len(self), "a block is resident in two tiers"
+
+
+LEARNS_FROM_USES = ("bayes",)  # policies that run in tier 0 only (see build_hierarchy)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """A tier of a hierarchy: its name and capacity in blocks."""
+
+    name: str
+    capacity_blocks: int
+
+
+def build_hierarchy(
+    policy: str,
+    plan: Sequence[TierPlan],
+    predictor_config: PredictorConfig | None = None,
+    heads: int = 1,
+    head_importance: Sequence[float] | None = None,
+    policy_options: dict | None = None,
+) -> Hierarchy:
+    """One policy instance per tier; each `bayes-v1` tier learns its own traffic's posteriors.
+
+    `bayes` runs in tier 0 only, with LRU below it. Its reuse-gap model learns from uses, and only
+    tier 0 sees them (a hit anywhere promotes into tier 0): a lower tier running it would rank every
+    demoted block with a model that never saw one reused, and bypass them. Below tier 0 the order of
+    demotion is the order of tier 0's policy, so LRU there extends that ranking downwards (the tiers
+    then act as one larger cache). Measured on the shared traces, three tiers at 1/2/5% and 2/5/10% of
+    the unique blocks: bayes in every tier fell below LRU at 6 of 8 points, bayes over LRU is at or
+    above LRU at 7 of 8 (`benchmarks/RESULTS.md`)."""
+    policies = []
+    for tier in plan:
+        kwargs: dict = dict(policy_options or {})
+        if policy == "bayes-v1":
+            kwargs.update(predictor=ReusePredictor(predictor_config), heads=heads, head_importance=head_importance)
+        if policy in LEARNS_FROM_USES and policies:
+            policies.append(make_policy("lru", tier.capacity_blocks))  # see below
+            continue
+        policies.append(make_policy(policy, tier.capacity_blocks, **kwargs))
+    return Hierarchy([t.name for t in plan], policies)

@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 
 from .block_types import BlockType
 from .cost_model import CostModel
-from .hierarchy import Hierarchy
+from .hierarchy import Hierarchy, TierPlan, build_hierarchy
 from .policies.base import FAR, RequestContext
-from .policies.registry import POLICIES, make_policy
+from .policies.registry import POLICIES
 from .predictor import PredictorConfig, ReusePredictor
 from .prefetch import Prefetcher
 from .pricing import cost_per_million_prompt_tokens
@@ -126,46 +126,6 @@ class ReplayResult:
         out["refs_per_s"] = round(self.refs_per_s)
         out["per_tier"] = {t["name"]: t["hit_rate"] for t in self.tiers}
         return out
-
-
-LEARNS_FROM_USES = ("bayes",)  # policies that run in tier 0 only (see build_hierarchy)
-
-
-@dataclass(frozen=True)
-class TierPlan:
-    """A tier of a replay: its name and capacity in blocks."""
-
-    name: str
-    capacity_blocks: int
-
-
-def build_hierarchy(
-    policy: str,
-    plan: Sequence[TierPlan],
-    predictor_config: PredictorConfig | None = None,
-    heads: int = 1,
-    head_importance: Sequence[float] | None = None,
-    policy_options: dict | None = None,
-) -> Hierarchy:
-    """One policy instance per tier; each `bayes-v1` tier learns its own traffic's posteriors.
-
-    `bayes` runs in tier 0 only, with LRU below it. Its reuse-gap model learns from uses, and only
-    tier 0 sees them (a hit anywhere promotes into tier 0): a lower tier running it would rank every
-    demoted block with a model that never saw one reused, and bypass them. Below tier 0 the order of
-    demotion is the order of tier 0's policy, so LRU there extends that ranking downwards (the tiers
-    then act as one larger cache). Measured on the shared traces, three tiers at 1/2/5% and 2/5/10% of
-    the unique blocks: bayes in every tier fell below LRU at 6 of 8 points, bayes over LRU is at or
-    above LRU at 7 of 8 (`benchmarks/RESULTS.md`)."""
-    policies = []
-    for tier in plan:
-        kwargs: dict = dict(policy_options or {})
-        if policy == "bayes-v1":
-            kwargs.update(predictor=ReusePredictor(predictor_config), heads=heads, head_importance=head_importance)
-        if policy in LEARNS_FROM_USES and policies:
-            policies.append(make_policy("lru", tier.capacity_blocks))  # see below
-            continue
-        policies.append(make_policy(policy, tier.capacity_blocks, **kwargs))
-    return Hierarchy([t.name for t in plan], policies)
 
 
 def shard_trace(trace: PreparedTrace, heads: int) -> PreparedTrace:

@@ -38,6 +38,7 @@ from kvcluster.actors.node_writer import NodeWriter
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient, LocalIndex
 from kvcluster.actors.lent_pages_actor import LENT_TIER
+from kvcluster.actors.paged_lending import PagedKVLending
 from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
 from kvcluster.actors.tier_actor import actor_name
@@ -209,6 +210,32 @@ class ClusterBlockStore:
                 self.counters["remote_failures"] += 1
                 metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
         return got, placed
+
+    def held(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks of `keys` can be fetched: those in hbm, then the cluster's, per the index."""
+        n = self.hbm.held(keys)
+        return n if n == len(keys) else n + self.remote_prefix(keys[n:])
+
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each block is in this store's own tiers (its hbm)."""
+        return self.hbm.holds(keys)
+
+    def residency_changes(self) -> tuple[list[BlockKey], list[BlockKey], bool]:
+        """What entered and left this store's own tiers (`LocalBlockStore.residency_changes`)."""
+        return self.hbm.residency_changes()
+
+    def checkpoint(self) -> int:
+        """Copy this store's own memory tiers into its pfs tier, if it has one (a clean shutdown)."""
+        return self.hbm.checkpoint()
+
+    def lend(self, paged, suffix: str = ""):
+        """Lend an engine's paged KV (`PagedKV`) as this node's hbm tier (`kvcluster.actors.paged_lending`); this
+        store then reads no lent pages of its own engine. `suffix`: a tensor-parallel worker's part of the lent
+        pages' actor names, those it reads too. None where it cannot lend (logged)."""
+        self.lent_suffix = suffix
+        lending = PagedKVLending.start(paged, self.node, suffix)
+        self.lends = lending is not None
+        return lending
 
     def remote_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` the cluster's tiers hold, per the index (0 when it cannot say)."""

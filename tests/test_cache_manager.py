@@ -13,7 +13,8 @@ from kvcluster.cache_manager import MIN_KEYS_SWEPT, CacheManager
 from kvcluster.control_plane import ControlPlane
 from kvcluster.plan_executor import execute
 from kvcluster.serving.block_store import LocalBlockStore
-from kvcluster.simulator import TierPlan, prepare, replay, request_context
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import prepare, replay, request_context
 from kvcluster.storage import NVMeBackend, PFSBackend, dram_backend
 from kvcluster.storage.tiered import TieredStore
 from kvcluster.traces import load_trace

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvcluster.cluster_sim import Cluster, ClusterPlan, replay_cluster, split_capacity
 from kvcluster.policies.registry import make_policy
 from kvcluster.session_routing import SessionRouter
-from kvcluster.simulator import PreparedTrace, TierPlan, replay, request_context
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import PreparedTrace, replay, request_context
 
 
 def prepared(requests: list[tuple[str, list[int]]], types: int = 1) -> PreparedTrace:

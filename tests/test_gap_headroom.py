@@ -16,7 +16,8 @@ from gap_headroom import (FittedOnline, OracleNext, OraclePace, OracleWhen, fitt
 
 from kvcluster.policies.base import RequestContext  # noqa: E402
 from kvcluster.policies.registry import POLICIES, register  # noqa: E402
-from kvcluster.simulator import PreparedTrace, TierPlan, replay  # noqa: E402
+from kvcluster.hierarchy import TierPlan  # noqa: E402
+from kvcluster.simulator import PreparedTrace, replay  # noqa: E402
 
 
 def _trace(requests: list[tuple[float, str, tuple[int, ...]]]) -> PreparedTrace:

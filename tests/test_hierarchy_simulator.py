@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcluster.block_types import BlockType, TransitionType
-from kvcluster.hierarchy import Hierarchy
+from kvcluster.hierarchy import Hierarchy, TierPlan
 from kvcluster.keys import KeySpace
 from kvcluster.policies.base import RequestContext
 from kvcluster.policies.registry import make_policy, policy_names
 from kvcluster.policies.bayes import describe_class
-from kvcluster.simulator import TierPlan, prepare, replay
+from kvcluster.simulator import prepare, replay
 from kvcluster.traces.base import Trace, TraceRequest
 
 POLICIES = ["lru", "lfu", "arc", "s3fifo", "sieve", "bayes", "bayes-v1", "belady"]

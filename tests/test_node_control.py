@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvcluster.cache_manager import CacheManager
 from kvcluster.node_control import NodeController
 from kvcluster.plan_executor import execute
-from kvcluster.simulator import TierPlan
+from kvcluster.hierarchy import TierPlan
 from test_cache_manager import DictTiers, key_of, payload_of
 
 

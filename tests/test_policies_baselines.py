@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kvcluster.errors import ConfigError
 from kvcluster.policies import FAR, RequestContext, make_policy
-from kvcluster.simulator import TierPlan, prepare, replay
+from kvcluster.hierarchy import TierPlan
+from kvcluster.simulator import prepare, replay
 from kvcluster.traces import load_trace
 
 from data_support import require_data

@@ -23,7 +23,7 @@ from ..control_plane import ControlPlane
 from ..keys import BlockKey
 from ..plan_executor import BackendTierIO
 from ..policies.base import RequestContext
-from ..simulator import TierPlan
+from ..hierarchy import TierPlan
 from .base import SlottedBackend, StorageBackend
 
 

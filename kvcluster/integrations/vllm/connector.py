@@ -53,10 +53,10 @@ from ...block_types import BlockType, TransitionType, pair_index
 from ...errors import ConfigError
 from ...keys import BlockKey, KeySpace, shard_key
 from ...traces.classify import majority_block_types
+from .base import ClusterStore, ConnectorStore, Lending
 from .holdings import RankReport, WorkerHoldings
-from .lending import PagedKVLending
 from .paged_kv import PagedKV
-from .store import EngineStore, cluster_index, files_held, for_rank, parse_config, release_store, shared_store
+from .store import EngineStore, files_held, for_rank, open_cluster, parse_config, release_store, shared_store
 
 log = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.005  # per step with loads in flight, the engine thread waits up to this long for one of them
@@ -244,14 +244,14 @@ class KVClusterConnector(KVConnectorBase_V1):
             for rank in range(self._workers):  # block files a fresh worker will adopt: promised before it reports
                 files = files_held(for_rank(config, rank, self._workers))
                 self._holdings.seed(rank, [shard_key(k, rank, self._workers) for k in files])
-            self._index = None if config.cluster is None else cluster_index(config.cluster)
+            self._index = None if config.cluster is None else open_cluster(config.cluster).index()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._rank = get_tensor_model_parallel_rank()
             self._store_name = f"{self._engine}/tp{self._rank}"
             self._shared = shared_store(self._store_name, for_rank(config, self._rank, self._workers), block_bytes)
-        self._store = self._shared.store if self._shared is not None else None
+        self._store: ConnectorStore | None = self._shared.store if self._shared is not None else None
         self._cluster = config.cluster
         self._lend = config.cluster is not None and config.cluster.lend_paged_kv
         # scheduler side
@@ -269,7 +269,7 @@ class KVClusterConnector(KVConnectorBase_V1):
         self._loading: dict[str, tuple[BlockTransfer, Future]] = {}  # async loads in flight, by request
         self._paged: PagedKV | None = None  # vLLM's paged KV tensors, once registered
         self._in_place = False  # remote blocks read over NIXL straight into the paged KV (register_kv_caches)
-        self._lending: PagedKVLending | None = None  # the paged KV lent as the node's hbm tier (register_kv_caches)
+        self._lending: Lending | None = None  # the paged KV lent as the node's hbm tier (register_kv_caches)
         self._load_errors: set[int] = set()  # reported to vLLM (which may ask before or after the save)
         self._failed_this_step: set[int] = set()  # vLLM blocks whose load failed in this step: never saved
 
@@ -314,7 +314,7 @@ class KVClusterConnector(KVConnectorBase_V1):
     def _held(self, keys: list[BlockKey]) -> int:
         """How many leading blocks of `keys` every worker can load: from its own tiers, then the cluster's."""
         if self._holdings is None:
-            return self._shared.held(keys)
+            return self._store.held(keys)
         n = self._holdings.held(keys)
         if n == len(keys) or self._index is None:
             return n
@@ -436,17 +436,15 @@ class KVClusterConnector(KVConnectorBase_V1):
         staging buffer, no row, no scatter)."""
         self._paged = PagedKV([kv_caches[name] for name in self._layer_names], self._layer_names,
                               self._num_blocks, self._page_bytes)
-        self._in_place = hasattr(self._store, "fetch_placed") and self._page_bytes >= IN_PLACE_MIN_PAGE_BYTES
+        on_cluster = isinstance(self._store, ClusterStore)
+        self._in_place = on_cluster and self._page_bytes >= IN_PLACE_MIN_PAGE_BYTES
         if self._in_place:
             for region in self._paged.regions:
                 self._store.register(region)
-        if self._lend and hasattr(self._store, "fetch_placed"):
+        if self._lend and on_cluster:
             # with tensor parallelism each worker lends its shards, read by the same rank of an engine of the same shape
             suffix = "" if self._workers == 1 else f"/tp{self._rank}-of-{self._workers}"
-            self._store.lent_suffix = suffix
-            self._lending = PagedKVLending.start(self._paged, self._cluster.node, self._cluster.timeout_s, suffix)
-            self._store.lends = self._lending is not None
-            self._shared.lending = self._lending
+            self._lending = self._shared.lending = self._store.lend(self._paged, suffix)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Sync loads land before the forward; async ones are read from the tiers on the loader thread, into
@@ -540,7 +538,7 @@ class KVClusterConnector(KVConnectorBase_V1):
             self._shared.answers_told += 1
         for save in meta.saves:
             keys = self._stored(save.keys)
-            held = self._shared.local.holds(keys)
+            held = self._store.holds(keys)
             complete = 0
             todo: list[int] = []  # positions whose bytes the tiers lack
             for j, (block_id, here) in enumerate(zip(save.block_ids, held)):
@@ -577,7 +575,7 @@ class KVClusterConnector(KVConnectorBase_V1):
             self._lending.flush()
         if self._in_process or self._shared is None:
             return None
-        entered, left, full = self._shared.local.residency_changes()
+        entered, left, full = self._store.residency_changes()
         if not (entered or left or full):
             return None
         block = self._stored  # its own inverse: the blocks' keys, as the scheduler chains them
@@ -596,7 +594,7 @@ class KVClusterConnector(KVConnectorBase_V1):
                 pool.shutdown(wait=True)
         if self._shared is not None and self.role == KVConnectorRole.WORKER:
             try:
-                kept = self._shared.local.checkpoint()
+                kept = self._store.checkpoint()
             except Exception:  # a full or vanished directory: the next engine starts colder, nothing is wrong
                 log.exception("kvcluster: the shutdown checkpoint into the pfs tier failed")
             else:

@@ -18,21 +18,19 @@ One engine per node lends (its actor's name is the node's); a second one on the 
 like any other but lends nothing. With tensor parallelism each worker lends its own shards (stored under
 keys of their own, `shard_key`) through an actor of its own, `kvcluster/<node>/hbm/tp{rank}-of-{size}`; the
 same rank of another engine of that shape is the only reader that asks for those keys, and it asks that actor.
+
+This module is the pure half (`LentBlocks`, the pages' digests); the engine's side of the actor,
+`PagedKVLending`, is in `kvcluster.actors.paged_lending`, started through the cluster store's `lend`.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 
 from ...keys import BlockKey
-from ...storage import NixlRegionLender, StorageError
 from ...storage.copyhash import hash_segments, tensor_hashes
-from .paged_kv import PagedKV
-
-log = logging.getLogger(__name__)
 
 
 class LentBlocks:
@@ -98,76 +96,3 @@ def page_digests(blocks: Sequence[Sequence[torch.Tensor]]) -> list[int]:
     if blocks[0][0].device.type != "cpu":
         return tensor_hashes([torch.cat([p.reshape(-1) for p in pages]) for pages in blocks])
     return [hash_segments([p.numpy() for p in pages]) for pages in blocks]
-
-
-class PagedKVLending:
-    """This engine's side of lending: its NIXL agent over the paged KV, the blocks lent, the control actor."""
-
-    def __init__(self, paged: PagedKV, node: str, actor, lender: NixlRegionLender) -> None:
-        self.paged, self.node, self.actor, self.lender = paged, node, actor, lender
-        self.blocks = LentBlocks()
-        self.updates = 0  # calls to the actor (one per step with changes)
-
-    @classmethod
-    def start(cls, paged: PagedKV, node: str, timeout_s: float, suffix: str = "") -> "PagedKVLending | None":
-        """Lend `paged` as node `node`'s hbm tier (`suffix`: a tensor-parallel worker's part of its actor's name),
-        or None (logged) when it cannot: another engine on the node lends already, or NIXL cannot register the
-        memory."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from ...actors.index_actor import NAMESPACE
-        from ...actors.lent_pages_actor import LENT_TIER, LentPagesActor
-        from ...actors.tier_actor import actor_name
-
-        name = actor_name(node, LENT_TIER) + suffix
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-            log.warning("kvcluster: another engine lends node %s's paged KV already; this one lends nothing", node)
-            return None
-        except ValueError:
-            pass
-        try:
-            lender = NixlRegionLender(paged.regions, name=f"kvc-lend-{node}{suffix.replace('/', '-')}-{id(paged):x}")
-        except (StorageError, RuntimeError) as exc:  # NIXL missing, or it cannot register this memory
-            log.warning("kvcluster: the paged KV cannot be lent over NIXL (%s); it is not lent", exc)
-            return None
-        here = NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=True)
-        try:
-            actor = LentPagesActor.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(
-                node, lender.metadata, lender.descs, paged.row_bytes, lender.name)
-            ray.get(actor.describe.remote(), timeout=timeout_s)
-        except (ValueError, ray.exceptions.RayError) as exc:  # the name was taken meanwhile, or it did not start
-            log.warning("kvcluster: the lent-pages actor of node %s did not start (%s); nothing is lent", node, exc)
-            lender.close()
-            return None
-        return cls(paged, node, actor, lender)
-
-    def written(self, block_ids: Sequence[int]) -> None:
-        self.blocks.written(block_ids)
-
-    def lend(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
-        """These blocks' pages hold these keys, complete: lend them, with the digest of their pages."""
-        new = [(key, b) for key, b in zip(keys, block_ids) if self.blocks.block_of(key) != b]
-        digests = page_digests([self.paged.block_pages(b) for _, b in new])
-        for (key, b), digest in zip(new, digests):
-            self.blocks.lend(key, b, self.paged.row_bytes, digest)
-
-    def flush(self) -> None:
-        """The step's changes to the actor, in one fire-and-forget call (none when nothing changed)."""
-        entered, left = self.blocks.drain()
-        if entered or left:
-            self.actor.update.remote(entered, left)
-            self.updates += 1
-
-    def close(self, timeout_s: float) -> None:
-        """Stop lending: the index forgets the blocks (waited for, bounded), then the pages are unregistered."""
-        import ray
-
-        try:
-            ray.get(self.actor.retire.remote(), timeout=timeout_s)
-            ray.kill(self.actor)
-        except ray.exceptions.RayError:
-            pass  # gone already: its reports go stale and readers miss
-        self.lender.close()

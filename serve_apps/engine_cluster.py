@@ -1,0 +1,76 @@
+"""A vLLM engine's way into a running kvcluster cluster: the Ray side of the connector's store.
+
+`ClusterLink.store_factory` names `connect` (resolved at run time by `kvcluster.integrations.vllm.store`,
+so the core never imports this package): it joins the Ray cluster and returns an `EngineCluster`, whose
+`store` is a `ClusterBlockStore` over the engine's own tiers (`ClusterStore` of
+`kvcluster.integrations.vllm.base`) and whose `index` is the block index a scheduler asks when its
+workers run elsewhere. Every missing piece is a ConfigError that says what to start.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from kvcluster.actors.index_actor import NAMESPACE
+from kvcluster.actors.index_client import IndexClient
+from kvcluster.actors.tier_actor import actor_name
+from kvcluster.errors import ConfigError
+from kvcluster.integrations.vllm.store import ClusterLink
+from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.tiers import TIER_ORDER
+
+from .cluster_store import ClusterBlockStore
+
+MIB = 1 << 20
+
+
+class EngineCluster:
+    """The cluster a `ClusterLink` names, this process joined to it."""
+
+    def __init__(self, link: ClusterLink) -> None:
+        self.link = link
+
+    def store(self, local: LocalBlockStore, block_bytes: int) -> ClusterBlockStore:
+        """A `ClusterBlockStore` over `local` on the running cluster, or a ConfigError that says what is missing."""
+        link = self.link
+        tiers = []
+        for tier in TIER_ORDER:
+            try:
+                tiers.append(ray.get_actor(actor_name(link.node, tier), namespace=NAMESPACE))
+            except ValueError:
+                continue
+        if not tiers:
+            raise ConfigError(f"kv_connector_extra_config.cluster.node: no tier actors of node {link.node!r} are "
+                              f"running; start the cluster first (`kvcluster cluster up CONFIG`)")
+        for described in ray.get([t.describe.remote() for t in tiers], timeout=link.timeout_s):
+            if described["slot_bytes"] < block_bytes:
+                raise ConfigError(
+                    f"kv_connector_extra_config.cluster: tier {link.node}/{described['tier']} holds blocks of "
+                    f"{described['slot_bytes']:,} bytes, this engine's blocks are {block_bytes:,} (vLLM's block of "
+                    f"every layer); give the cluster YAML this engine's model, dtype and block_tokens")
+        try:
+            staging = None if link.nixl_staging_mib is None else int(link.nixl_staging_mib * MIB)
+            return ClusterBlockStore(local, link.node, timeout_s=link.timeout_s, nixl_staging_bytes=staging)
+        except ValueError as exc:  # the index or predictor actor is not running
+            raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's global actors are not running "
+                              f"({exc}); start the cluster first (`kvcluster cluster up CONFIG`)") from None
+
+    def index(self) -> IndexClient:
+        """The cluster's block index, for a scheduler whose workers run elsewhere, or a ConfigError."""
+        try:
+            return IndexClient.connect(timeout_s=self.link.timeout_s)
+        except (ValueError, TimeoutError) as exc:  # no index actor, or one that does not answer (GetTimeoutError)
+            raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's index is not running ({exc}); "
+                              f"start the cluster first (`kvcluster cluster up CONFIG`)") from None
+
+
+def connect(link: ClusterLink) -> EngineCluster:
+    """Join the Ray cluster of `link` unless this process has joined one (a ConfigError naming the address)."""
+    if not ray.is_initialized():
+        try:
+            ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
+                              f"{first}") from None
+    return EngineCluster(link)
