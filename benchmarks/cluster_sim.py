@@ -10,7 +10,7 @@ two-tier replay of the same plan (`kvcluster.simulator.replay`), under
 rate on every trace, and above pooled `lru`.
 
     .venv/bin/python benchmarks/cluster_sim.py [--json] [--traces claude-code,swe-agent,mooncake]
-        [--nodes 1,8,64] [--policies bayes,lru] [--max-requests N]
+        [--nodes 1,8,64] [--policies bayes,lru] [--max-requests N] [--fixed-clock] [--clock-seed N]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvcluster.hierarchy import TierPlan  # noqa: E402
 from kvcluster.simulator import prepare, replay  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
 
-from hit_rate import traces as shared_traces  # noqa: E402
+from hit_rate import add_clock_options, clock_from, traces as shared_traces  # noqa: E402
 
 TRACES = ("claude-code", "swe-agent", "mooncake")
 NODES = (1, 8, 64)
@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nodes", default=",".join(map(str, NODES)))
     parser.add_argument("--policies", default=",".join(POLICIES_RUN))
     parser.add_argument("--max-requests", type=int, default=None, help="replay only each trace's first N requests")
+    add_clock_options(parser)
     args = parser.parse_args()
     args.traces = _csv(parser, "--traces", args.traces, TRACES)
     online = tuple(name for name, cls in POLICIES.items() if not cls.offline)
@@ -117,7 +118,7 @@ def run_trace(label: str, prepared, args, say) -> tuple[list[dict], list[dict]]:
 def main() -> int:
     args = parse_args()
     out = JsonOutput(args.json)
-    paths = {label: (path, kwargs) for label, path, kwargs in shared_traces(1)}
+    paths = {label: (path, kwargs) for label, path, kwargs in shared_traces(1, clock_from(args))}
     if not args.json:
         print("| trace | nodes | policy | pooled | hit rate | vs 1 node | local share | 1-node two-tier replay |")
         print("|---|---|---|---|---|---|---|---|")

@@ -38,7 +38,8 @@ session granularity. A second table says how random each trace's waits are:
 the median coefficient of variation of the gaps of sessions with six or more
 requests, and how well the mean log of a session's gaps so far predicts its next.
 
-    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000] [--smoke]
+    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000] [--fixed-clock]
+        [--clock-seed N] [--smoke]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from collections import deque
 from typing import Sequence
 
 import numpy as np
-from hit_rate import load, traces
+from hit_rate import add_clock_options, clock_from, load, traces
 
 from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
 from kvcluster.policies.bayes import BayesPolicy, _NT, answer_bucket, finish_index, session_bucket
@@ -321,6 +322,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--sharegpt-records", type=int, default=1000)
+    add_clock_options(parser)
     parser.add_argument("--horizon-factor", type=float, default=None,
                         help="horizon of `bayes`, `oracle-when` and `fitted-online` (default: `bayes`'s own)")
     parser.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
@@ -340,7 +342,7 @@ def main() -> int:
     policies = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "oracle-pace", "fitted-online",
                 "belady")
     rows, stats = [], {}
-    for label, path, kwargs in traces(args.sharegpt_records):
+    for label, path, kwargs in traces(args.sharegpt_records, clock_from(args)):
         prepared = prepare(load(path, args.smoke, **kwargs))
         stats[label] = session_gap_stats(prepared)
         OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)

@@ -5,14 +5,17 @@ traces are what matters, so this scores them on parts of the shared data that
 no default was chosen by:
 
 - `sharegpt-unseen`: the ShareGPT entries after the first 1,000 (`hit_rate.py`
-  tokenizes only those), from the first whole conversation on;
-- `sharegpt-unseen-random-gaps`: the same conversations with times a text
-  trace does not have drawn at random (seeded): conversations start as a Poisson
-  process (one every 5 s on average, as the loader spaces them) and a turn
-  follows the one before after a log-normal think time (median 30 s, the
-  loader's fixed gap; sigma 1). The loader's fixed gaps tell exactly when a
-  conversation comes back; real traffic (the Mooncake conversation trace) does
-  not, so this is the harder and likelier case;
+  tokenizes only those), from the first whole conversation on, timed as the
+  loader times every trace without times by default (seeded, seed 0: Poisson
+  conversation starts, log-normal think times fitted to the Claude Code traces;
+  docs/traces.md);
+- `sharegpt-unseen-random-gaps`: the same conversations re-timed by this
+  script's own seeded draw, older than the loader's: conversations start as a
+  Poisson process (one every 5 s on average) and a turn follows the one before
+  after a log-normal think time of median 30 s (the fixed clock's gap) and
+  sigma 1. Before the loader drew times, it was the one row whose times did not
+  tell exactly when a conversation comes back; it stays for comparison with the
+  figures measured then;
 - `claude-code-even` / `claude-code-odd`: the Claude Code sessions split in two
   by file order. Both halves were part of the tuning set, merged; alone, each is
   a trace of another mix and size (how much a held-out set of 43 sessions may

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import JsonOutput  # noqa: E402
-from hit_rate import load, traces  # noqa: E402
+from hit_rate import add_clock_options, clock_from, load, traces  # noqa: E402
 
 from kvcluster.block_types import pair_index  # noqa: E402
 from kvcluster.errors import TraceError  # noqa: E402
@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--capacity-frac", default="0.02,0.05,0.1")
     ap.add_argument("--policies", default="lru,bayes")
     ap.add_argument("--sharegpt-records", type=int, default=1000, help="ShareGPT entries to tokenize")
+    add_clock_options(ap)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny slices of the traces: checks the code runs")
     args = ap.parse_args()
@@ -107,7 +108,7 @@ def main() -> int:
         ap.error("--sharegpt-records must be >= 1")
     out = JsonOutput(args.json)
     rows = []
-    for label, path, kwargs in traces(args.sharegpt_records):
+    for label, path, kwargs in traces(args.sharegpt_records, clock_from(args)):
         try:
             trace = prepare(load(path, args.smoke, **kwargs))
         except TraceError as err:  # missing or malformed shared data: one line, not a traceback

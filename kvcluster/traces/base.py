@@ -52,7 +52,9 @@ class TraceLoader(Protocol):
     """A loader reads one format. Malformed records are skipped and reported as
     "path:LINE: reason" (1-based line; "path:record N" inside a JSON document);
     with strict=True the first raises TraceError with that message.
-    `max_records` (None = all) caps the records read, for quick looks at big files."""
+    `max_records` (None = all) caps the records read, for quick looks at big files.
+    A loader whose files carry no times sets `untimed = True` and takes a `clock`
+    keyword (text.TraceClock) that draws them."""
 
     format: str
 

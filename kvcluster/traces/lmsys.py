@@ -2,7 +2,8 @@
 `conversation: [{role: user|assistant|system, content}]` (plus moderation fields).
 
 Each record is one conversation (session = conversation_id); each assistant turn
-is a request whose prompt is everything before it (text.py).
+is a request whose prompt is everything before it (text.py). The file has no
+times: they are drawn, seeded, by `TraceClock` (text.py, docs/traces.md).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from .base import Trace
 from .classify import role_type
 from .records import Problems, first_record, json_records, require_file
-from .text import Conversation, Message, conversations_to_requests
+from .text import Conversation, Message, TraceClock, conversations_to_requests
 
 DEFAULT_BLOCK_SIZE = 16
 TEMPLATE_ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
@@ -34,13 +35,15 @@ def _messages(raw: Any) -> list[Message] | None:
 
 class LMSYSLoader:
     format = "lmsys"
+    untimed = True  # the file has no times: the loader draws them (TraceClock)
 
     def sniff(self, path: str) -> bool:
         obj = first_record(Path(path))
         return obj is not None and "conversation_id" in obj and "conversation" in obj
 
     def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
-             max_records: int | None = None) -> Trace:
+             max_records: int | None = None, clock: TraceClock | None = None) -> Trace:
+        """`clock`: how the untimed turns are timed (default `TraceClock()`: seeded random, text.py)."""
         p = require_file(path, self.format)
         problems = Problems(strict)
         convs = []
@@ -52,4 +55,5 @@ class LMSYSLoader:
                 continue
             convs.append(Conversation(str(conv_id), tuple(messages)))
         bs = block_size or DEFAULT_BLOCK_SIZE
-        return Trace(p.name, self.format, bs, tuple(conversations_to_requests(convs, bs)), tuple(problems.lines))
+        requests = conversations_to_requests(convs, bs, clock=clock)
+        return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))

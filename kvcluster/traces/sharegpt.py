@@ -7,7 +7,8 @@ parts of one root are consecutive pieces of one conversation (a part may start
 with a gpt message that answers the previous part), so they are joined back in
 file order into one session named by the root. Each gpt turn is then a request
 whose prompt is everything before it (text.py). `max_records` limits the lines
-read, since tokenizing all 24 MiB takes a while.
+read, since tokenizing all 24 MiB takes a while. The file has no times: they are
+drawn, seeded, by `TraceClock` (text.py, docs/traces.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from .base import Trace
 from .classify import role_type
 from .records import Problems, first_record, json_records, require_file
-from .text import Conversation, Message, conversations_to_requests
+from .text import Conversation, Message, TraceClock, conversations_to_requests
 
 DEFAULT_BLOCK_SIZE = 16
 TEMPLATE_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -45,17 +46,20 @@ def _messages(raw: Any) -> list[Message] | None:
 
 class ShareGPTLoader:
     format = "sharegpt"
+    untimed = True  # the file has no times: the loader draws them (TraceClock)
 
     def sniff(self, path: str) -> bool:
         obj = first_record(Path(path))
         return obj is not None and isinstance(obj.get("conversations"), list)
 
     def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
-             max_records: int | None = None) -> Trace:
+             max_records: int | None = None, clock: TraceClock | None = None) -> Trace:
+        """`clock`: how the untimed turns are timed (default `TraceClock()`: seeded random, text.py)."""
         p = require_file(path, self.format)
         convs, problems = self.conversations(p, strict=strict, max_records=max_records)
         bs = block_size or DEFAULT_BLOCK_SIZE
-        return Trace(p.name, self.format, bs, tuple(conversations_to_requests(convs, bs)), tuple(problems.lines))
+        requests = conversations_to_requests(convs, bs, clock=clock)
+        return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))
 
     def conversations(self, path: str | Path, *, strict: bool = False,
                       max_records: int | None = None) -> tuple[list[Conversation], Problems]:

@@ -7,7 +7,8 @@ before the first assistant turn (the task, and demonstrations) -> HISTORY; a use
 message after an assistant turn (the observation of its action) or a `tool`
 message -> TOOL; assistant -> OUTPUT. Every request after a trajectory's first is
 an AGENT_STEP. Malformed history messages skip the trajectory, reported as
-"path:record N" (N = index in `history`).
+"path:record N" (N = index in `history`). Trajectories in file order; their steps
+are timed by `TraceClock` (text.py, docs/traces.md): the files carry no times.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ..block_types import BlockType
 from .base import Trace
 from .records import Problems, read_json, require_path
-from .text import Conversation, Message, conversations_to_requests
+from .text import Conversation, Message, TraceClock, conversations_to_requests
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -54,17 +55,19 @@ def _messages(f: Path, history: list, problems: Problems) -> list[Message] | Non
 
 class SWEAgentLoader:
     format = "swe-agent"
+    untimed = True  # the file has no times: the loader draws them (TraceClock)
 
     def sniff(self, path: str) -> bool:
         p = Path(path)
         return p.suffix == ".traj" if p.is_file() else p.is_dir() and next(p.rglob("*.traj"), None) is not None
 
     def load(self, path: str, *, block_size: int | None = None, strict: bool = False,
-             max_records: int | None = None) -> Trace:
+             max_records: int | None = None, clock: TraceClock | None = None) -> Trace:
+        """`clock`: how the untimed turns are timed (default `TraceClock()`: seeded random, text.py)."""
         p = require_path(path)
         convs, problems = self.conversations(p, strict=strict, max_records=max_records)
         bs = block_size or DEFAULT_BLOCK_SIZE
-        requests = conversations_to_requests(convs, bs, agent=True)
+        requests = conversations_to_requests(convs, bs, agent=True, clock=clock)
         return Trace(p.name, self.format, bs, tuple(requests), tuple(problems.lines))
 
     def conversations(self, path: str | Path, *, strict: bool = False,
