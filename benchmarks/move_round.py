@@ -329,8 +329,12 @@ def main() -> int:
                         help="also probe what Ray allows around the graph: other callers, restarts, a second graph")
     parser.add_argument("--stress-s", type=float, default=5.0, help="--coexist: seconds of replica reads")
     parser.add_argument("--probe-timeout-s", type=float, default=5.0, help="--coexist: a round that hangs")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or set(variants) - set(VARIANTS):
+        parser.error(f"--variants: choose among {', '.join(VARIANTS)}")
     out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvm", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
@@ -339,7 +343,7 @@ def main() -> int:
     try:
         index = IndexActor.options(name=INDEX_NAME).remote()  # held: tier actors report to it
         here = ray.get_runtime_context().get_node_id()
-        report = {name: measure(name, tiers, args, tmp, here) for name, tiers in VARIANTS.items()}
+        report = {name: measure(name, VARIANTS[name], args, tmp, here) for name in variants}
         probes = coexist(args, tmp, here) if args.coexist else None
         ray.kill(index, no_restart=True)
     finally:

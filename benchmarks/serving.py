@@ -150,20 +150,32 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--model", default="kvcluster-tiny-llama")
     parser.add_argument("--skip-replay", action="store_true")
+    parser.add_argument("--ttft-tokens", type=int, default=2048,
+                        help="ttft's prompt; all but its last 64 tokens (rounded to 16-token blocks) are cached")
+    parser.add_argument("--hit-prefixes", default="256,1024,1984", help="hit_overhead's cached prefixes (tokens)")
+    parser.add_argument("--replay-datasets", default="sharegpt,swe-agent",
+                        help="replayed datasets (SWE-agent's prompts are 2.5k tokens from the first turn)")
     args = parser.parse_args()
+    prefixes = tuple(int(n) for n in args.hit_prefixes.split(","))
+    if set(args.replay_datasets.split(",")) - {"sharegpt", "swe-agent"}:
+        parser.error("--replay-datasets: sharegpt, swe-agent or both")
+    if args.ttft_tokens < 80 or any(n < 16 or n % 16 for n in prefixes):
+        parser.error("--ttft-tokens must be >= 80 and --hit-prefixes multiples of 16")
     out = JsonOutput(args.json)
     loaded = load_model(args.model)
+    cached = (args.ttft_tokens - 64) // 16 * 16
     report = {"model": args.model, "torch_threads": torch.get_num_threads(),
-              "ttft": bench_ttft(loaded, args.repeat), "hit_overhead": bench_hit_overhead(loaded, 4 * args.repeat)}
+              "ttft": bench_ttft(loaded, args.repeat, args.ttft_tokens, cached),
+              "hit_overhead": bench_hit_overhead(loaded, 4 * args.repeat, prefixes)}
     if not args.skip_replay:
         report["replay"] = [bench_replay(loaded, d, args.replay_requests, args.max_new_tokens)
-                            for d in ("sharegpt", "swe-agent")]
+                            for d in args.replay_datasets.split(",")]
     if out.enabled:
         out.emit(report, indent=1)
         return
     t = report["ttft"]
-    print(f"ttft 2k prompt, 1,984 cached in dram: cold {t['cold_ttft_s_p50']*1e3:.0f} ms, cached "
-          f"{t['cached_ttft_s_p50']*1e3:.0f} ms, {t['speedup']:.1f}x (goal 15x), same first token: {t['first_token_equal']}")
+    print(f"ttft {t['prompt_tokens']:,}-token prompt, {t['cached_tokens']:,} cached in dram: "
+          f"cold {t['cold_ttft_s_p50']*1e3:.0f} ms, cached {t['cached_ttft_s_p50']*1e3:.0f} ms, {t['speedup']:.1f}x (goal 15x), same first token: {t['first_token_equal']}")
     for r in report["hit_overhead"]:
         print(f"hot {r['tier']} hit, {r['cached_tokens']} tokens ({r['bytes'] >> 10} KiB): p50 {r['p50_ms']:.2f} ms, "
               f"p99 {r['p99_ms']:.2f} ms; memcpy of the same bytes {r['memcpy_p50_ms']:.2f} ms")

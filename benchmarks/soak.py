@@ -88,12 +88,13 @@ def prompts(n_conversations: int) -> list[str]:
 
 
 METRICS_PORT: list[int] = []  # the node's metrics export port, set by `start`
+METRICS_INTERVAL_S = [1.0]  # how often the node exports metrics (--metrics-interval-s), set by `main`
 CORRUPTED_TIER = "n0/pfs"  # the one tier whose corrupt reads a fault of this soak causes
 
 
 def start(tmp: str, shards: int = 1) -> str:
     os.environ["RAY_TMPDIR"] = tmp
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    os.environ["RAY_metrics_report_interval_ms"] = str(round(METRICS_INTERVAL_S[0] * 1000))
     METRICS_PORT.append(free_port())
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp,
              log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
@@ -151,7 +152,7 @@ def corrupt_pfs(tmp: str) -> int:
 
 def faults_counted() -> dict[str, float]:
     """Faults absorbed so far, as "component kind" -> count, from the node's Prometheus endpoint."""
-    time.sleep(2.5)  # metrics are exported every second: let the last ones land
+    time.sleep(2.5 * METRICS_INTERVAL_S[0])  # metrics are exported every interval: let the last ones land
     text = httpx.get(f"http://127.0.0.1:{METRICS_PORT[-1]}/metrics", timeout=30).text
     counts: dict[str, float] = {}
     for line in text.splitlines():
@@ -346,7 +347,14 @@ def main() -> None:
                         help="index shards")
     parser.add_argument("--hostile", action="store_true", help="also run the hostile phase (issue 22)")
     parser.add_argument("--hostile-only", action="store_true", help="run the hostile phase alone")
+    parser.add_argument("--metrics-interval-s", type=float, default=1.0,
+                        help="the node's metrics export interval; each fault count waits 2.5 of them")
+    parser.add_argument("--settle-s", type=_non_negative_float, default=5.0,
+                        help="pause between the faults and the saturation burst")
     args = parser.parse_args()
+    if args.metrics_interval_s < 0.01:
+        parser.error("--metrics-interval-s must be at least 0.01")
+    METRICS_INTERVAL_S[0] = args.metrics_interval_s
     out = JsonOutput(args.json)  # Ray and Serve write to stdout from C++ too: only the report goes there
     prompt_list = prompts(args.conversations)
     reference = ModelRunner(load_model(MODEL))
@@ -384,7 +392,7 @@ def fault_phases(url: str, prompt_list: list[str], expected: dict, args, tmp: st
     results, faults = asyncio.run(load_phase(url, prompt_list, expected, args.seconds, args.clients, tmp))
     fault_corrupt = sum(n for f in faults for tier, n in f.get("corrupt_reads_after", {}).items()
                         if not (f["fault"] == "corrupt every pfs block file" and tier == CORRUPTED_TIER))
-    time.sleep(5)
+    time.sleep(args.settle_s)
     burst = asyncio.run(saturation_phase(url, prompt_list, expected))
     rss_after = replica_rss_mib()
     retry_after = all(h.get("retry-after") == "1" for _, code, _, _, h in burst if code == 503)
