@@ -10,6 +10,7 @@ applies stop strings and samples; the front renders OpenAI bodies and usage from
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,17 +35,31 @@ CONNECTOR_MODULE = "kvcluster.integrations.vllm.connector"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def model_source(model: str, dest: Path) -> tuple[str, str]:
+def model_source(model: str, root: Path | None = None) -> tuple[str, str]:
     """(model path, vLLM load_format): a checkpoint directory as it is, or a configs/models name written out as
-    a directory of its config and the offline tokenizer, with random weights."""
+    a directory of its config and the offline tokenizer, with random weights.
+
+    The written directory is named by a digest of what it holds (under `root`, default the temp dir), so every
+    start of the same model finds the same path: the connector's block keys include the model's path
+    (`KVClusterConnector._fingerprint`), and a restarted app must compute the keys its pfs tier's files carry."""
     if Path(model).is_dir():
         return model, "auto"
     config = json.loads((configs_dir() / "models" / f"{model}.json").read_text())
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
+    files = {"config.json": json.dumps({k: v for k, v in config.items() if not k.startswith("_")}).encode()}
     for name in TOKENIZER_FILES:
         if (tokenizer_dir() / name).is_file():
-            shutil.copy(tokenizer_dir() / name, dest / name)
+            files[name] = (tokenizer_dir() / name).read_bytes()
+    digest = hashlib.sha256(b"".join(n.encode() + b"\0" + data for n, data in sorted(files.items()))).hexdigest()
+    dest = (root or Path(tempfile.gettempdir())) / "kvcluster-models" / f"{model}-{digest[:16]}"
+    if not (dest / "config.json").is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{model}-", dir=dest.parent))
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        try:
+            os.rename(staging, dest)  # atomic: a replica starting beside this one sees all of it or none
+        except OSError:  # another replica wrote it first: the same bytes
+            shutil.rmtree(staging, ignore_errors=True)
     return str(dest), "dummy"
 
 
@@ -99,8 +114,7 @@ class VLLMReplica:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.cfg = VLLMAppConfig.model_validate(config)
-        self._workdir = tempfile.TemporaryDirectory(prefix="kvcluster-vllm-")
-        model, load_format = model_source(self.cfg.model, Path(self._workdir.name) / "model")
+        model, load_format = model_source(self.cfg.model)
         transfer = transfer_config(self.cfg)
         started = time.perf_counter()
         args = EngineArgs(model=model, load_format=load_format, dtype=DTYPES[self.cfg.dtype], seed=self.cfg.seed,
