@@ -219,6 +219,9 @@ def main() -> int:
                         help="override the config's kv_cache_blocks (smaller runs; default: as configured)")
     parser.add_argument("--max-model-len", type=int, default=None, help="override the config's max_model_len")
     parser.add_argument("--timeout-s", type=float, default=600, help="ceiling of each start, stop and request")
+    parser.add_argument("--expect-hits", action="store_true",
+                        help="exit 1 unless the kvcluster arm's prompt came back after the others and after the "
+                             "restart (cached_tokens > 0) with the same text: what the README promises (CI's smoke)")
     parser.add_argument("--arms", default="kvcluster,vllm_alone",
                         help="comma-separated arms to run: kvcluster, vllm_alone (the reference; ratios need both)")
     args = parser.parse_args()
@@ -240,6 +243,12 @@ def main() -> int:
         report["ttft_after_restart_vs_cold"] = k["ttft_cold_s"] / k["ttft_after_restart_s"]
     if k is not None and alone is not None:
         report["ttft_after_others_vs_vllm_alone"] = alone["ttft_after_others_s"] / k["ttft_after_others_s"]
+    broken = []
+    if not report["same_text"]:
+        broken.append("a cached run's greedy text differs from the cold one")
+    if args.expect_hits and k is not None:
+        broken += [f"cached_tokens 0 {when}" for when, n in (("after the others", k["cached_after_others"]),
+                                                             ("after the restart", k["cached_after_restart"])) if n == 0]
     if args.json:
         print(json.dumps(report))
     else:
@@ -255,6 +264,9 @@ def main() -> int:
             print(f"kvcluster after a restart: {report['ttft_after_restart_vs_cold']:.2f}x faster than cold, "
                   f"cached {report['cached_share_after_restart']:.0%}")
         print(f"same greedy text in every run: {report['same_text']}")
+    if broken:
+        print("first_command: " + "; ".join(broken), file=sys.stderr)
+        return 1
     return 0
 
 
