@@ -146,6 +146,13 @@ class NodeControlActor:
         self._guard(keys)
         return [(t, self.mover.names[t]) for t in self.manager.lookup(keys)]
 
+    def locate(self, keys: list[bytes]) -> list[tuple[int, str] | None]:
+        """Tier index and tier actor of every block of `keys` this node holds (None: not here), past the leading
+        run too: a reader with a pool behind this node fills the run's gaps from the pool."""
+        self._guard(keys)
+        tiers = [self.manager.tier_of(k) for k in keys]
+        return [None if t is None else (t, self.mover.names[t]) for t in tiers]
+
     def forget(self, keys: list[bytes]) -> None:
         """Blocks a reader found missing or corrupt: they leave the bookkeeping and their tier."""
         self._guard(keys)

@@ -9,7 +9,9 @@ exactly the simulator's replay of the same tiers.
 The pool (peers' DRAM lent over RDMA, or the shared filesystem: one pool whichever
 node reads it) is written through: every block a node uses is stored in it too,
 as Mooncake's engines put each prefill's KV into its store, and its manager, which
-holds metadata only, runs the policy over the uses of every node in arrival order.
+holds metadata only, runs the policy over the uses of every node in arrival order
+(`kvcluster.pool.PoolManager`: the object the live pool manager actor holds, so
+`kvcluster.actors.live_cluster_replay` replays the same decisions on real bytes).
 So the pool's policy sees exactly the stream one node's single tier would see,
 whatever the number of nodes and wherever the sessions went, and the predictive
 policy keeps its edge at any scale. A node's tiers are caches in front of it: a
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .hierarchy import Hierarchy, TierPlan, build_hierarchy
-from .policies.registry import POLICIES, make_policy
+from .policies.registry import POLICIES
+from .pool import PoolManager
 from .session_routing import SessionRouter
 from .simulator import PreparedTrace, request_context
 
@@ -94,7 +97,7 @@ class Cluster:
         self.nodes: list[Hierarchy] = [
             build_hierarchy(policy, [TierPlan(t.name, share[i]) for t, share in zip(plan.local, shares)])
             for i in range(nodes)]
-        self.pool = None if plan.pool is None else make_policy(pool_policy or policy, plan.pool.capacity_blocks)
+        self.pool = None if plan.pool is None else PoolManager(pool_policy or policy, plan.pool.capacity_blocks)
 
     def serve(self, node: int, blocks: Sequence[int], ctx) -> tuple[int, int]:
         """Serve a request on `node`; returns (prefix blocks found in its local tiers, found in the pool)."""
@@ -108,7 +111,7 @@ class Cluster:
             else:
                 break
         if pool is not None:
-            pool.access(blocks, ctx)  # written through: the pool's victims stay where a node still holds them
+            pool.access(blocks, ctx)  # written through (the live pool's manager is this same `PoolManager`)
         local.serve(blocks, ctx)  # its victims are dropped: the pool holds them, or let them go
         return local_hits, pool_hits
 
@@ -117,7 +120,6 @@ class Cluster:
             hierarchy.check_integrity()
         if self.pool is not None:
             self.pool.check_integrity()
-            assert len(self.pool) <= self.pool.capacity
 
 
 def replay_cluster(trace: PreparedTrace, policy: str, plan: ClusterPlan, nodes: int, *, pooled: bool = True,

@@ -1,0 +1,78 @@
+"""The pooled tier's manager as an actor: a `PoolManager` (metadata only), named `kvcluster/pool`.
+
+As Mooncake's master, it decides and the clients move the bytes: every call is
+batched per request (`lookup` of a request's keys, `access` of a request served
+on some node), and carries keys, a location name and the request's context. The
+blocks go from the node that computed or read them into the pool's storage (the
+shared filesystem, a peer's lent DRAM) and from there to the node that reads
+them; `stats()` counts any payload that reached this actor as an argument
+(`payload_bytes`, 0 by design, as for the node controllers).
+
+Its state is the policy's: a restart would start an empty pool (nothing served
+from files it no longer counts; they are overwritten or left as orphans), so
+it is not restarted.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from kvcluster.policies.base import RequestContext
+from kvcluster.pool import PoolManager
+
+from .index_actor import NAMESPACE
+from .node_control_actor import payload_bytes
+
+POOL_MANAGER_NAME = "kvcluster/pool"
+
+
+def pool_manager_handle(namespace: str = NAMESPACE):
+    """The running pool manager, found by name (ValueError when there is none)."""
+    return ray.get_actor(POOL_MANAGER_NAME, namespace=namespace)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class PoolManagerActor:
+    def __init__(self, policy: str, capacity: int, policy_options: dict | None = None) -> None:
+        self.pool = PoolManager(policy, capacity, policy_options)
+        self.payload_bytes = 0
+        self.calls = 0
+
+    def _guard(self, *args) -> None:
+        self.calls += 1
+        self.payload_bytes += payload_bytes(args)
+
+    def lookup(self, keys: list[bytes]) -> list[str | None]:
+        """Per key, the location the pool holds it at (None: not in the pool)."""
+        self._guard(keys)
+        return self.pool.lookup(keys)
+
+    def access(self, keys: list[bytes], ctx: RequestContext, at: str) -> tuple[list[bytes], dict[str, list[bytes]]]:
+        """A request served on a node whose pool writes go to location `at`: the keys it writes there, and per
+        location the stored keys it deletes (they left the pool)."""
+        self._guard(keys, ctx, at)
+        return tuple(self.pool.access(keys, ctx, at))
+
+    def lookup_access(self, keys: list[bytes], ctx: RequestContext, at: str
+                      ) -> tuple[list[str | None], list[bytes], dict[str, list[bytes]]]:
+        """`lookup` then `access` of one request, one call: where the pool holds each key before the request,
+        then what the node writes and deletes once it has read its hits (a block deleted before a reader got
+        to it is a miss for that reader, never another block's bytes)."""
+        self._guard(keys, ctx, at)
+        where = self.pool.lookup(keys)
+        return (where, *self.pool.access(keys, ctx, at))
+
+    def forget(self, keys: list[bytes]) -> int:
+        """Blocks a reader found missing or corrupt, or a writer could not store: they leave the pool."""
+        self._guard(keys)
+        return self.pool.forget(keys)
+
+    def lost(self, location: str) -> int:
+        """The storage at `location` is gone (its node died): its blocks are forgotten, never returned again."""
+        self._guard(location)
+        return self.pool.lost(location)
+
+    def stats(self) -> dict:
+        return {"policy": self.pool.policy_name, "capacity_blocks": self.pool.capacity, "blocks": len(self.pool),
+                "locations": self.pool.locations(), "calls": self.calls, "payload_bytes": self.payload_bytes,
+                **self.pool.counters}

@@ -1,0 +1,57 @@
+"""The pool's manager: the policy's decisions turned into writes and deletes, lost locations forgotten."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcluster.policies.base import RequestContext
+from kvcluster.policies.registry import make_policy
+from kvcluster.pool import PoolManager
+
+
+def ctx(i: int) -> RequestContext:
+    return RequestContext(i, float(i))
+
+
+def test_admitted_blocks_are_written_once_and_victims_deleted_where_they_are() -> None:
+    pool = PoolManager("lru", 3)
+    assert pool.access(["a", "b"], ctx(0), at="n0") == (["a", "b"], {})
+    assert pool.access(["a", "c"], ctx(1), at="n1") == (["c"], {})  # a is stored already
+    assert pool.lookup(["a", "b", "c", "d"]) == ["n0", "n0", "n1", None]
+    write, delete = pool.access(["d"], ctx(2), at="n1")
+    assert write == ["d"] and delete == {"n0": ["b"]}  # LRU's victim, deleted at the location it was written to
+    pool.check_integrity()
+
+
+def test_a_lost_location_and_forgotten_blocks_are_never_returned_again() -> None:
+    pool = PoolManager("lru", 8)
+    pool.access(["a", "b"], ctx(0), at="n0")
+    pool.access(["c", "d"], ctx(1), at="n1")
+    assert pool.lost("n1") == 2 and pool.lookup(["c", "d"]) == [None, None]
+    assert pool.forget(["a", "zz"]) == 1 and pool.lookup(["a", "b"]) == [None, "n0"]
+    assert pool.locations() == {"n0": 1}
+    pool.check_integrity()
+    assert pool.access(["c"], ctx(2), at="n0") == (["c"], {})  # a miss, written again where told
+
+
+requests = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=8), min_size=1, max_size=60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests, st.integers(1, 12), st.sampled_from(["lru", "bayes", "arc", "s3fifo"]))
+def test_the_pool_stores_exactly_what_its_policy_holds_under_key_sweeps(reqs, capacity, policy) -> None:
+    """Writes minus deletes is the policy's resident set after every request, whatever ids the keys get after
+    sweeps: the decisions are those of the policy fed the blocks themselves."""
+    pool = PoolManager(policy, capacity, keys_swept_from=4)
+    alone = make_policy(policy, capacity)
+    held: set = set()
+    for i, blocks in enumerate(reqs):
+        keys = [f"k{b}" for b in blocks]
+        write, delete = pool.access(keys, ctx(i), at="pfs")
+        alone.access(blocks, ctx(i))
+        gone = [k for ks in delete.values() for k in ks]
+        assert set(gone) <= held and not (set(write) & held)
+        held = (held - set(gone)) | set(write)
+        assert held == {f"k{b}" for b in alone.resident()} == set(pool.resident())
+        pool.check_integrity()
