@@ -9,14 +9,25 @@ two-tier replay of the same plan (`kvcluster.simulator.replay`), under
 `reference`. Goal: pooled `bayes` at 8 and 64 nodes at >= 0.95x its 1-node hit
 rate on every trace, and above pooled `lru`.
 
+`--live`: the pool live instead (`kvcluster.actors.live_cluster_replay`), on
+`--live-nodes` Ray nodes of a `ray.cluster_utils.Cluster` on this machine: the
+first `--live-records` ShareGPT conversations, the same 1% + 4% plan, a
+shared-directory pool; the live hit rate and local share beside the simulator's,
+the bytes that read back wrong, and the pool manager's decisions per second (the
+`PoolManager` in this process, and its actor: one caller waiting for each
+answer, and `--live-in-flight` calls in flight).
+
     .venv/bin/python benchmarks/cluster_sim.py [--json] [--traces claude-code,swe-agent,mooncake]
         [--nodes 1,8,64] [--policies bayes,lru] [--max-requests N] [--fixed-clock] [--clock-seed N]
+    .venv/bin/python benchmarks/cluster_sim.py --live [--json] [--policies bayes,lru] [--live-nodes 4]
+        [--live-records 40] [--live-in-flight 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -62,8 +73,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nodes", default=",".join(map(str, NODES)))
     parser.add_argument("--policies", default=",".join(POLICIES_RUN))
     parser.add_argument("--max-requests", type=int, default=None, help="replay only each trace's first N requests")
+    parser.add_argument("--live", action="store_true", help="replay live on a local multi-node Ray cluster")
+    parser.add_argument("--live-nodes", type=int, default=4)
+    parser.add_argument("--live-records", type=int, default=40, help="ShareGPT conversations replayed live")
+    parser.add_argument("--live-in-flight", type=int, default=8, help="pool manager calls in flight (its rate)")
     add_clock_options(parser)
     args = parser.parse_args()
+    if min(args.live_nodes, args.live_records, args.live_in_flight) < 1:
+        parser.error("--live-nodes, --live-records and --live-in-flight must be >= 1")
     args.traces = _csv(parser, "--traces", args.traces, TRACES)
     online = tuple(name for name, cls in POLICIES.items() if not cls.offline)
     args.policies = _csv(parser, "--policies", args.policies, online)
@@ -118,6 +135,8 @@ def run_trace(label: str, prepared, args, say) -> tuple[list[dict], list[dict]]:
 def main() -> int:
     args = parse_args()
     out = JsonOutput(args.json)
+    if args.live:
+        return live(args, out)
     paths = {label: (path, kwargs) for label, path, kwargs in shared_traces(1, clock_from(args))}
     if not args.json:
         print("| trace | nodes | policy | pooled | hit rate | vs 1 node | local share | 1-node two-tier replay |")
@@ -146,6 +165,106 @@ def main() -> int:
     if args.json:
         out.emit({"results": results, "reference": references, "goal": goal(results)})
     return 0
+
+
+def live(args, out: JsonOutput) -> int:
+    """The pool live on `--live-nodes` Ray nodes against the simulator, and the pool manager's rate."""
+    import os
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvcluster.actors.index_actor import NAMESPACE
+    from kvcluster.actors.live_cluster_replay import replay_cluster_live
+
+    path, kwargs = {label: (p, kw) for label, p, kw in shared_traces(args.live_records, clock_from(args))}["sharegpt"]
+    prepared = prepare(load_trace(path, **kwargs))
+    plan = plan_for(prepared.unique_blocks, args.live_nodes)
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvc", dir="/tmp")  # short socket paths, a Ray of its own
+    node_args = {"num_cpus": 1, "object_store_memory": 96 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    workers = [cluster.add_node(**node_args) for _ in range(args.live_nodes - 1)]
+    rows = []
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        cluster.wait_for_nodes()
+        ray_nodes = [ray.get_runtime_context().get_node_id()] + [w.node_id for w in workers]
+        for policy in args.policies:
+            r = replay_cluster_live(prepared, policy, plan, ray_nodes, pool_storage="pfs")
+            lv, sim = r["live"], r["simulated"]
+            rows.append({"trace": f"sharegpt[:{args.live_records}]", "nodes": args.live_nodes, "policy": policy,
+                         "requests": prepared.requests, "block_refs": prepared.block_refs,
+                         "local_blocks": plan.local[0].capacity_blocks, "pool_blocks": plan.pool.capacity_blocks,
+                         "live_hit_rate": round(lv["hit_rate"], 4), "simulated_hit_rate": round(sim["hit_rate"], 4),
+                         "live_local_share": round(lv["local_share"], 4),
+                         "simulated_local_share": round(sim["local_share"], 4), "max_abs_diff": r["max_abs_diff"],
+                         "wrong_bytes": r["wrong_bytes"], "control_payload_bytes": r["control_payload_bytes"],
+                         "pool_payload_bytes": r["pool_payload_bytes"], "pool_calls": r["pool"]["calls"],
+                         "live_seconds": round(lv["seconds"], 1)})
+            if not args.json:
+                print(json.dumps(rows[-1]), flush=True)
+        rate = pool_rate(prepared, args.policies[0], plan.pool.capacity_blocks, args.live_in_flight)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    if not args.json:
+        print(json.dumps(rate))
+    else:
+        out.emit({"live": rows, "pool_manager": rate,
+                  "equal": all(r["max_abs_diff"] == 0.0 and r["wrong_bytes"] == 0 for r in rows)})
+    return 0
+
+
+def pool_rate(prepared, policy: str, capacity: int, in_flight: int, seconds: float = 2.0) -> dict:
+    """Decisions per second of the pool manager over the trace's requests (repeated for `seconds`): one
+    lookup + access per request, in this process and through its actor."""
+    import ray
+
+    from kvcluster.actors.live_replay import block_key
+    from kvcluster.actors.pool_manager_actor import PoolManagerActor
+    from kvcluster.policies.base import RequestContext
+    from kvcluster.pool import PoolManager
+
+    keys = [[block_key(b) for b in blocks] for blocks in prepared.blocks]
+    per_request = sum(map(len, keys)) / len(keys)
+
+    def timed(serve) -> float:
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            done += serve(done)
+        return done / (time.perf_counter() - t0)
+
+    pool = PoolManager(policy, capacity)
+
+    def here(i: int) -> int:
+        for j, ks in enumerate(keys):
+            ctx = RequestContext(i + j, float(i + j))
+            pool.lookup(ks)
+            pool.access(ks, ctx, "pfs")
+        return len(keys)
+
+    actor = PoolManagerActor.remote(policy, capacity)
+
+    def one_caller(i: int) -> int:
+        for j, ks in enumerate(keys):
+            ray.get(actor.lookup_access.remote(ks, RequestContext(i + j, float(i + j)), "pfs"))
+        return len(keys)
+
+    def pipelined(i: int) -> int:
+        refs = []
+        for j, ks in enumerate(keys):
+            refs.append(actor.lookup_access.remote(ks, RequestContext(i + j, float(i + j)), "pfs"))
+            if len(refs) >= in_flight:
+                ray.get(refs.pop(0))
+        ray.get(refs)
+        return len(keys)
+
+    rates = {"in_process": timed(here), "actor_one_caller": timed(one_caller), "actor_in_flight": timed(pipelined)}
+    ray.kill(actor)
+    return {"policy": policy, "capacity_blocks": capacity, "blocks_per_request": round(per_request, 1),
+            "in_flight": in_flight, **{f"{k}_requests_per_s": round(v) for k, v in rates.items()},
+            **{f"{k}_blocks_per_s": round(v * per_request) for k, v in rates.items()}}
 
 
 def goal(results: list[dict]) -> dict:
