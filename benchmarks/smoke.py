@@ -61,8 +61,8 @@ ENTRIES: dict[str, Entry] = {
                             "--decide-requests", "10", "--decide-capacity", "64"),
     "control_plane.py": run("--tracked", "2000", "--request-blocks", "8", "--requests", "5"),
     "first_command.py": run("--arms", "kvcluster", "--prompt-tokens", "300", "--others", "3", "--kv-blocks", "8",
-                            "--max-model-len", "512", "--max-tokens", "2", "--expect-hits", python=VLLM,
-                            first=True),
+                            "--max-model-len", "512", "--max-tokens", "2", "--expect-hits", "--no-restart",
+                            python=VLLM, first=True),
     "gap_headroom.py": run("--smoke"),
     "gpu_check.py": Entry(part_of="gpu_check.sh"),
     "gpu_check.sh": Entry(skip="its --dry-run (every section on the CPU) runs in tests/test_gpu_check.py, which "
