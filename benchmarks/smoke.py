@@ -60,9 +60,9 @@ ENTRIES: dict[str, Entry] = {
     "control_scale.py": run("--writers", "1", "--requests", "2", "--blocks", "2", "--trials", "1",
                             "--decide-requests", "10", "--decide-capacity", "64"),
     "control_plane.py": run("--tracked", "2000", "--request-blocks", "8", "--requests", "5"),
-    "first_command.py": run("--arms", "kvcluster", "--prompt-tokens", "300", "--others", "3", "--kv-blocks", "8",
-                            "--max-model-len", "512", "--max-tokens", "2", "--expect-hits", "--no-restart",
-                            python=VLLM, first=True),
+    "first_command.py": Entry(skip="one vLLM Serve app start takes 80 s alone and past 300 s beside another benchmark "
+                                   "on 2 cores; what it shows is tested in tests/vllm_engine (a clean shutdown's "
+                                   "checkpoint into pfs, loaded by a fresh engine) and tests/test_vllm_model_source.py"),
     "gap_headroom.py": run("--smoke"),
     "gpu_check.py": Entry(part_of="gpu_check.sh"),
     "gpu_check.sh": Entry(skip="its --dry-run (every section on the CPU) runs in tests/test_gpu_check.py, which "
