@@ -56,25 +56,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=lambda item: "endpoint" in getattr(item, "fixturenames", ()))
 
 
-def pytest_collection_finish(session) -> None:
-    """The vLLM engine's tests, when this run has collected their test, start now in their own venv and run
-    beside the rest of the suite (tests/test_vllm_engine.py says why)."""
-    if any(item.nodeid.startswith("tests/test_vllm_engine.py::") for item in session.items):
-        import test_vllm_engine
-
-        test_vllm_engine.start_engine_tests()
-
-
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     _EXIT_STATUS.append(int(exitstatus))
-    import sys
-
-    engine = sys.modules.get("test_vllm_engine")
-    if engine is not None:
-        engine.stop_engine_tests()  # a run that ended before waiting for them (-x, a deselected test, ^C)
 
 
 @pytest.hookimpl(trylast=True)

@@ -5,11 +5,6 @@ cached logits stop matching a cold prefill), so the engine lives in .venv-vllm, 
 builds next to .venv. This test runs that directory there, so `.venv/bin/python -m pytest -q` covers the engine
 too, and fails with the engine run's output when a test there fails, is skipped, or none ran: a broken vLLM
 install must not pass as a skip.
-
-The engine's run starts as soon as the main suite has collected this test (`start_engine_tests`, called by
-tests/conftest.py) and runs beside the rest of the suite: on two cores most of each suite's time is spent
-waiting (Ray starting, actors answering, polls), so the two overlap instead of adding up. The test waits for
-it at its turn.
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import importlib.util
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,55 +34,13 @@ def outcome_counts(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0])}
 
 
-TIMEOUT_S = 1200
-_run: dict = {}  # the engine tests' process and its output files, once started
-
-
-def wanted() -> bool:
-    """Whether this run needs the engine's tests in their venv (vLLM is not importable here)."""
-    return importlib.util.find_spec("vllm") is None and ENGINE_PYTHON.exists()
-
-
-def start_engine_tests() -> None:
-    """Start `pytest tests/vllm_engine` in .venv-vllm in the background (once); `finish_engine_tests` waits."""
-    if _run or not wanted():
-        return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the engine's CPU kernels: one thread per process
-    out = tempfile.TemporaryFile(mode="w+")
-    err = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([str(ENGINE_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", ENGINE_TESTS],
-                            cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    _run.update(proc=proc, out=out, err=err)
-
-
-def finish_engine_tests(timeout_s: float = TIMEOUT_S) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of the engine tests, waiting for them (started now if they were not)."""
-    start_engine_tests()
-    proc = _run["proc"]
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-    _run["out"].seek(0)
-    _run["err"].seek(0)
-    return proc.returncode, _run["out"].read(), _run["err"].read()
-
-
-def stop_engine_tests() -> None:
-    """End the engine tests' process group if it still runs (the main suite stopped without waiting)."""
-    proc = _run.get("proc")
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-
-
 def test_the_vllm_engine_tests_pass_in_their_venv() -> None:
     assert ENGINE_PYTHON.exists(), f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh`"
-    returncode, stdout, stderr = finish_engine_tests()
-    output = stdout + stderr
-    counts = outcome_counts(stdout)
-    assert returncode == 0, output
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the engine's CPU kernels: one thread per process
+    run = subprocess.run([str(ENGINE_PYTHON), "-m", "pytest", "-q", ENGINE_TESTS], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    output = run.stdout + run.stderr
+    counts = outcome_counts(run.stdout)
+    assert run.returncode == 0, output
     assert counts.get("passed", 0) > 0, output
     assert set(counts) <= {"passed", "warning", "warnings"}, output
