@@ -193,8 +193,9 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
             name=control_name(name), namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         ).remote(name, chains[name], policy, None, block_bytes, 0) for name, node_id in zip(names, ray_nodes)]
-        manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE).remote(
-            pool_policy or policy, plan.pool.capacity_blocks)
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE, scheduling_strategy=here
+                                           ).remote(pool_policy or policy, plan.pool.capacity_blocks)  # not on a node that may go
         started += controls + [manager]
         ray.get([c.stats.remote() for c in controls] + [manager.stats.remote()], timeout=TIMEOUT_S)
         driver = _Driver(names, controls, manager, storage, block_bytes)

@@ -12,6 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
 from kvcluster.actors.live_cluster_replay import LentDramPool, replay_cluster_live  # noqa: E402
@@ -87,11 +88,13 @@ def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster)
     gone, the manager forgets what it held (lookups no longer return it), the rest still reads right."""
     c, ray_nodes, workers = cluster
     names_free(INDEX_NAME, POOL_MANAGER_NAME, LentDramPool.share_name("node0"), LentDramPool.share_name("node3"))
-    index = IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE).remote()  # the shares report to it
+    head = NodeAffinitySchedulingStrategy(ray_nodes[0], soft=False)  # the global actors live on the head, which stays
+    index = IndexActor.options(name=INDEX_NAME, namespace=NAMESPACE, scheduling_strategy=head).remote()
     names = [f"node{i}" for i in range(NODES)]
     storage = LentDramPool()
     shares = storage.start(names, ray_nodes, 16, 512)
-    manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE).remote("lru", 16)
+    manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE, scheduling_strategy=head).remote(
+        "lru", 16)
     ray.get([s.describe.remote() for s in shares], timeout=300)
     mine, theirs = [block_key(b) for b in range(4)], [block_key(b) for b in range(10, 14)]
     for i, (keys, node) in enumerate(((mine, "node0"), (theirs, "node3"))):
