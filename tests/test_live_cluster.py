@@ -25,6 +25,7 @@ from kvcluster.simulator import prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
 
 from data_support import require_data, require_tokenizer  # noqa: E402
+from ray_support import names_free  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NODES = 4
@@ -55,19 +56,6 @@ def trace():
 def plan_of(trace) -> ClusterPlan:
     """2% of the blocks node-local (split over the nodes) and 8% pooled: both local and pool hits."""
     return ClusterPlan((TierPlan("local", trace.unique_blocks // 50),), TierPlan("pool", trace.unique_blocks // 12))
-
-
-def names_free(*names: str, timeout: float = 300.0) -> None:
-    """Wait until the named actors of an earlier test are gone (they die asynchronously)."""
-    deadline = time.monotonic() + timeout
-    for name in names:
-        while True:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            assert time.monotonic() < deadline, f"actor {name} of an earlier test is still alive"
-            time.sleep(0.2)
 
 
 def test_four_nodes_with_a_shared_file_pool_hit_what_the_simulator_replays(cluster, trace) -> None:

@@ -18,6 +18,7 @@ from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # no
 from kvcluster.actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
 from kvcluster.actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
+from ray_support import names_free  # noqa: E402
 
 KEYS = [bytes(k) for k in KeySpace(model="multinode").chain_hash_ids(list(range(4)))]
 pytestmark = pytest.mark.slow
@@ -43,20 +44,6 @@ def cluster():
     yield c, node_a, node_b, tmp
     ray.shutdown()
     c.shutdown()
-
-
-def names_free(*names: str, timeout: float = 300.0) -> None:
-    """Wait until the named actors an earlier test held are gone (their handles die asynchronously)."""
-    deadline = time.monotonic() + timeout
-    for name in names:
-        while True:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"actor {name} from an earlier test is still alive")
-            time.sleep(0.2)
 
 
 def wait_for(fn, timeout: float = 300.0):
