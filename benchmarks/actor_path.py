@@ -27,6 +27,7 @@ import ray  # noqa: E402
 from harness import JsonOutput, timings  # noqa: E402
 from ray.dag import InputNode  # noqa: E402
 
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.block_index import BlockIndex  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 from kvcluster.storage import dram_backend  # noqa: E402
@@ -72,8 +73,8 @@ def main() -> int:
     out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 << 20,
-             _temp_dir=tmp, log_to_driver=False)
+    start_ray(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 << 20,
+                               _temp_dir=tmp, log_to_driver=False))
     keys = [bytes(k) for k in KeySpace(model="bench").chain_hash_ids(list(range(args.blocks)))]
     index, tier = Index.remote(keys), Tier.remote(keys, args.block_kib << 10)
     expect = ray.get(tier.fetch.remote(keys)).nbytes

@@ -177,14 +177,15 @@ def live(args, out: JsonOutput) -> int:
 
     from kvcluster.actors.index_actor import NAMESPACE
     from kvcluster.actors.live_cluster_replay import replay_cluster_live
+    from kvcluster.actors.ray_start import start_ray
 
     path, kwargs = {label: (p, kw) for label, p, kw in shared_traces(args.live_records, clock_from(args))}["sharegpt"]
     prepared = prepare(load_trace(path, **kwargs))
     plan = plan_for(prepared.unique_blocks, args.live_nodes)
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvc", dir="/tmp")  # short socket paths, a Ray of its own
     node_args = {"num_cpus": 1, "object_store_memory": 96 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
-    workers = [cluster.add_node(**node_args) for _ in range(args.live_nodes - 1)]
+    cluster = start_ray(lambda: Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False}))
+    workers = [start_ray(lambda: cluster.add_node(**node_args)) for _ in range(args.live_nodes - 1)]
     rows = []
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)

@@ -44,6 +44,7 @@ from harness import JsonOutput  # noqa: E402
 
 from kvcluster.actors.deploy import start_global_actors, start_tier_actor  # noqa: E402
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.node_control_actor import NodeControlActor, control_name  # noqa: E402
 from kvcluster.actors.tier_actor import TierActorConfig, actor_name  # noqa: E402
 from kvcluster.cache_manager import CacheManager  # noqa: E402
@@ -184,8 +185,8 @@ def main() -> int:
     out = JsonOutput(args.json)
     block_bytes = args.block_bytes or load_cluster_config("local").block_bytes()
     tmp = tempfile.mkdtemp(prefix="kvcs", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, _temp_dir=tmp,
-             log_to_driver=False)
+    start_ray(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE,
+                               _temp_dir=tmp, log_to_driver=False))
     try:
         report = ingest(args, block_bytes, tmp)
         report.update(decisions_actor(report.pop("_control"), args))

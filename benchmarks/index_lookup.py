@@ -35,6 +35,7 @@ import ray  # noqa: E402
 from harness import JsonOutput, ratio  # noqa: E402
 
 from kvcluster.actors.index_actor import IndexActor, shard_name  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.index_client import IndexClient, LocalIndex  # noqa: E402
 
 REPORT_BATCH = 4096  # keys per `stored` report, as a tier lists what it holds
@@ -110,8 +111,8 @@ def main() -> None:
     out = JsonOutput(args.json)
     counts = sorted({int(s) for s in args.shards.split(",")} | {1})
     tmp = tempfile.mkdtemp(prefix="kvidx", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp,
-             log_to_driver=False)
+    start_ray(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+                               _temp_dir=tmp, log_to_driver=False))
     chains = prompts(args.blocks, args.prompt_blocks)
     rng = np.random.default_rng(1)
     asked = [chains[i] for i in rng.integers(0, len(chains), args.lookups)]

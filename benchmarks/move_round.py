@@ -54,6 +54,7 @@ from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
 from kvcluster.actors.deploy import start_tier_actor  # noqa: E402
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.plan_mover import RemoteMover  # noqa: E402
 from kvcluster.actors.tier_actor import TierActorConfig, actor_name  # noqa: E402
 from kvcluster.cache_manager import Move, StorePlan  # noqa: E402
@@ -338,8 +339,8 @@ def main() -> int:
     out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvm", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             _temp_dir=tmp, log_to_driver=False, namespace=NAMESPACE)
+    start_ray(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+                               _temp_dir=tmp, log_to_driver=False, namespace=NAMESPACE))
     try:
         index = IndexActor.options(name=INDEX_NAME).remote()  # held: tier actors report to it
         here = ray.get_runtime_context().get_node_id()

@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
 from kvcluster.actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
 from kvcluster.cli import positive_int  # noqa: E402
@@ -71,8 +72,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvn", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     node_args = {"num_cpus": 1, "object_store_memory": 256 << 20}
-    c = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
-    a, b = c.add_node(**node_args), c.add_node(**node_args)
+    c = start_ray(lambda: Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False}))
+    a, b = start_ray(lambda: c.add_node(**node_args)), start_ray(lambda: c.add_node(**node_args))
     ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
     c.wait_for_nodes()
     on = lambda node: NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False)  # noqa: E731

@@ -22,6 +22,7 @@ import numpy as np
 import ray
 from harness import Case, JsonOutput, best_of, interleaved
 
+from kvcluster.actors.ray_start import start_ray
 from kvcluster.cli import positive_int
 
 
@@ -41,7 +42,7 @@ def main() -> int:
     out = JsonOutput(args.json)
     tmp = tempfile.mkdtemp(prefix="kvf", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvcluster")
+    start_ray(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvcluster"))
     from kvcluster.actors.deploy import start_global_actors, start_tier_actor
     from kvcluster.actors.tier_actor import TierActorConfig
     from kvcluster.keys import KeySpace

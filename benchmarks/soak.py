@@ -48,6 +48,7 @@ import ray  # noqa: E402
 from harness import JsonOutput  # noqa: E402
 from ray import serve  # noqa: E402
 
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.node_control_actor import control_name  # noqa: E402
 from kvcluster.actors.index_actor import NAMESPACE  # noqa: E402
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME  # noqa: E402
@@ -96,8 +97,9 @@ def start(tmp: str, shards: int = 1) -> str:
     os.environ["RAY_TMPDIR"] = tmp
     os.environ["RAY_metrics_report_interval_ms"] = str(round(METRICS_INTERVAL_S[0] * 1000))
     METRICS_PORT.append(free_port())
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=tmp,
-             log_to_driver=False, namespace=NAMESPACE, _metrics_export_port=METRICS_PORT[-1])
+    start_ray(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+                               _temp_dir=tmp, log_to_driver=False, namespace=NAMESPACE,
+                               _metrics_export_port=METRICS_PORT[-1]))
     cluster = Path(tmp) / "cluster.yaml"
     cluster.write_text(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\n"
                        f"index_shards: {shards}\nnodes:\n"

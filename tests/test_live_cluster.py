@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
 from kvcluster.actors.live_cluster_replay import LentDramPool, replay_cluster_live  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.live_replay import block_key, block_payload  # noqa: E402
 from kvcluster.actors.pool_manager_actor import POOL_MANAGER_NAME, PoolManagerActor  # noqa: E402
 from kvcluster.cluster_sim import ClusterPlan  # noqa: E402
@@ -37,8 +38,8 @@ def cluster():
         ray.shutdown()
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvc", dir="/tmp")  # short socket paths, a Ray of its own
     args = {"num_cpus": 1, "object_store_memory": 96 << 20}
-    c = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
-    workers = [c.add_node(**args) for _ in range(NODES - 1)]
+    c = start_ray(lambda: Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False}))
+    workers = [start_ray(lambda: c.add_node(**args)) for _ in range(NODES - 1)]
     ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
     c.wait_for_nodes()
     yield c, [ray.get_runtime_context().get_node_id()] + [w.node_id for w in workers], workers

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from kvcluster.actors.index_actor import INDEX_NAME, NAMESPACE, IndexActor  # noqa: E402
 from kvcluster.actors.peer_pool_actor import PeerPoolActor, RdmaTierActor  # noqa: E402
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.actors.tier_actor import TierActor, TierActorConfig  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 from ray_support import names_free  # noqa: E402
@@ -35,10 +36,10 @@ def cluster():
     tmp = tempfile.mkdtemp(prefix="kvc", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp  # short socket paths, and nothing shared with other Ray instances
     node_args = {"object_store_memory": 128 << 20}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1},
-                                                     "include_dashboard": False, **node_args})
-    node_a = c.add_node(num_cpus=1, resources={"node_a": 1}, **node_args)
-    node_b = c.add_node(num_cpus=1, resources={"node_b": 1}, **node_args)
+    c = start_ray(lambda: Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1},
+                                                     "include_dashboard": False, **node_args}))
+    node_a = start_ray(lambda: c.add_node(num_cpus=1, resources={"node_a": 1}, **node_args))
+    node_b = start_ray(lambda: c.add_node(num_cpus=1, resources={"node_b": 1}, **node_args))
     ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
     c.wait_for_nodes()
     yield c, node_a, node_b, tmp

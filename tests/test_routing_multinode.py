@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.serving.sampling import SamplingParams  # noqa: E402
 
 from serving_support import DOC, MODEL, _free_port, expected_cached  # noqa: E402
@@ -38,9 +39,9 @@ def two_node_endpoint():
         f.write(f"model: {MODEL}\nblock_tokens: 16\ncheckpoint_dir: {tmp}/pfs/predictor\nnodes:\n"
                 "  - name: head\n    tiers: [{kind: dram, capacity: 0.05GiB}]\n"
                 "  - name: node-b\n    ray_resource: node_b\n    tiers: [{kind: dram, capacity: 0.05GiB}]\n")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                     "object_store_memory": 192 << 20})
-    c.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=192 << 20)
+    c = start_ray(lambda: Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                     "object_store_memory": 192 << 20}))
+    start_ray(lambda: c.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=192 << 20))
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()
     port = _free_port()

@@ -27,6 +27,7 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh` and "
                    "`.venv-vllm/bin/python -m pytest -q tests/vllm_engine`")
 
+from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.integrations.vllm.store import engine_stores  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
 from kvcluster.tokenizer import tokenizer_dir  # noqa: E402
@@ -347,9 +348,9 @@ def two_nodes():
 
     with ray_tmpdir("kvcv") as tmp:
         args = {"object_store_memory": 128 << 20}
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
-                                                         "include_dashboard": False, **args})
-        c.add_node(num_cpus=1, resources={"n1": 1}, **args)
+        c = start_ray(lambda: Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
+                                                         "include_dashboard": False, **args}))
+        start_ray(lambda: c.add_node(num_cpus=1, resources={"n1": 1}, **args))
         ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
         dram = [{"kind": "dram", "capacity": "10MiB"}]  # 10 blocks of 1 MiB
