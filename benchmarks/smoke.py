@@ -26,11 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvcluster.process_tree import descendants, kill  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CORE = ".venv/bin/python"
 VLLM = ".venv-vllm/bin/python"
 STDERR_TAIL = 2000
+STOP_GRACE_S = 10.0  # a benchmark past its time: seconds between SIGTERM and SIGKILL
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def smoke_one(script: Path, entry: Entry, timeout_s: float, scratch: Path) -> st
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         stdout, stderr = proc.communicate()
         return f"ran past {timeout_s:.0f} s\n{stderr[-STDERR_TAIL:]}"
     if proc.returncode != 0:
@@ -151,6 +155,26 @@ def smoke_one(script: Path, entry: Entry, timeout_s: float, scratch: Path) -> st
     except ValueError as exc:
         return f"{exc}\n{stderr[-STDERR_TAIL:]}"
     return None
+
+
+def stop(proc: subprocess.Popen, grace_s: float | None = None) -> None:
+    """Stop a benchmark past its time and everything below it: its process group, and the processes it started
+    in sessions of their own (a `serve run`), which the group does not reach. SIGTERM first, so that such a
+    server can stop its own workers, then SIGKILL for whatever is left."""
+    grace_s = STOP_GRACE_S if grace_s is None else grace_s
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    kill(tree, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    tree |= descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    kill(tree | descendants(proc.pid))
 
 
 def main() -> int:

@@ -83,3 +83,27 @@ def test_a_run_past_its_time_is_stopped_and_named(tmp_path: Path) -> None:
     script = fake(tmp_path, "import sys, time\nprint('started', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
     problem = smoke.smoke_one(script, smoke.Entry(), 1, tmp_path)
     assert problem is not None and problem.startswith("ran past 1 s") and "started" in problem, problem
+
+
+@pytest.mark.timeout(120)  # a server left alive holds the benchmark's stdout open: without the fix this hangs
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_a_stopped_run_takes_the_servers_it_started_in_their_own_sessions(tmp_path: Path, monkeypatch,
+                                                                          ignores_sigterm: bool) -> None:
+    """A benchmark that starts a server in a session of its own (as `serve run` is started) and then runs past
+    its time: the server goes too, by SIGTERM, or by SIGKILL when it ignores SIGTERM."""
+    monkeypatch.setattr(smoke, "STOP_GRACE_S", 2.0)
+    pid_file = tmp_path / "server.pid"
+    server = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)" \
+        if ignores_sigterm else "import time; time.sleep(600)"
+    script = fake(tmp_path, f"""
+        import subprocess, sys, time
+        server = subprocess.Popen([sys.executable, "-c", {server!r}], start_new_session=True)
+        open({str(pid_file)!r}, "w").write(str(server.pid))
+        print('started', file=sys.stderr, flush=True)
+        time.sleep(600)
+        """)
+    problem = smoke.smoke_one(script, smoke.Entry(), 3, tmp_path)
+    assert problem is not None and problem.startswith("ran past 3 s"), problem
+    pid = int(pid_file.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"), "the server outlived its benchmark"
