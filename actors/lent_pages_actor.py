@@ -23,12 +23,24 @@ from .peer_server import PeerServer
 LENT_TIER = "hbm"  # the tier an engine's lent paged KV is indexed as
 
 
+def lent_tier(worker: str = "") -> str:
+    """The index tier of one engine worker's lent pages: "hbm", or "hbm/tp0-of-2" for a tensor-parallel worker
+    (`worker`). Each worker lends its own shards through an actor of its own, which clears the index's entries
+    of its tier when it starts and retires: one tier name per worker keeps a worker from clearing another's."""
+    return LENT_TIER + worker
+
+
+def is_lent(tier: str) -> bool:
+    return tier == LENT_TIER or tier.startswith(LENT_TIER + "/")
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class LentPagesActor(PeerServer):
-    def __init__(self, node: str, metadata: bytes, descs: bytes, slot_bytes: int, agent_name: str) -> None:
-        self.node = node
+    def __init__(self, node: str, metadata: bytes, descs: bytes, slot_bytes: int, agent_name: str,
+                 tier: str = LENT_TIER) -> None:
+        self.node, self.tier = node, tier
         self.directory = LentDirectory(metadata, descs, slot_bytes, agent_name)
-        self.reporter = IndexReporter(IndexClient.connect(), node, LENT_TIER)
+        self.reporter = IndexReporter(IndexClient.connect(), node, tier)
         self.reporter.lost()
 
     def _lend(self) -> LentDirectory:
@@ -46,9 +58,9 @@ class LentPagesActor(PeerServer):
         returns. Returns the blocks it lent."""
         keys = self.directory.keys()
         self.directory.release(keys)
-        ray.get(self.reporter.index.lost(self.node, LENT_TIER))
+        ray.get(self.reporter.index.lost(self.node, self.tier))
         return len(keys)
 
     def describe(self) -> dict:
-        return {"node": self.node, "tier": LENT_TIER, "lent_blocks": len(self.directory),
+        return {"node": self.node, "tier": self.tier, "lent_blocks": len(self.directory),
                 "slot_bytes": self.directory.slot_bytes}

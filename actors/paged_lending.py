@@ -19,7 +19,7 @@ from kvcluster.keys import BlockKey
 from kvcluster.storage import NixlRegionLender, StorageError
 
 from .index_actor import NAMESPACE
-from .lent_pages_actor import LENT_TIER, LentPagesActor
+from .lent_pages_actor import LentPagesActor, lent_tier
 from .tier_actor import actor_name
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class PagedKVLending:
         """Lend `paged` as node `node`'s hbm tier (`suffix`: a tensor-parallel worker's part of its actor's name),
         or None (logged) when it cannot: another engine on the node lends already, or NIXL cannot register the
         memory."""
-        name = actor_name(node, LENT_TIER) + suffix
+        tier = lent_tier(suffix)
+        name = actor_name(node, tier)
         try:
             ray.get_actor(name, namespace=NAMESPACE)
             log.warning("kvcluster: another engine lends node %s's paged KV already; this one lends nothing", node)
@@ -57,7 +58,7 @@ class PagedKVLending:
             # left whole workers unlent), and the steps' updates queue at the actor until it runs. One that never
             # starts leaves its blocks unlent: misses elsewhere, never wrong bytes.
             actor = LentPagesActor.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(
-                node, lender.metadata, lender.descs, paged.row_bytes, lender.name)
+                node, lender.metadata, lender.descs, paged.row_bytes, lender.name, tier)
         except (ValueError, ray.exceptions.RayError) as exc:  # the name was taken meanwhile
             log.warning("kvcluster: the lent-pages actor of node %s was not created (%s); nothing is lent", node, exc)
             lender.close()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .keys import BlockKey
-from .tiers import TIER_ORDER
+from .tiers import tier_rank
 
 Location = tuple[str, str]  # (node, tier)
 
@@ -27,7 +27,7 @@ class PrefixMatch:
         score: dict[str, tuple[int, int]] = {}
         for locs in self.locations:
             for node in {n for n, _ in locs}:
-                fast = min(TIER_ORDER.index(t) for n, t in locs if n == node)
+                fast = min(tier_rank(t) for n, t in locs if n == node)
                 held, speed = score.get(node, (0, 0))
                 score[node] = (held + 1, speed - fast)
         return max(score, key=lambda n: score[n]) if score else None
@@ -74,7 +74,7 @@ class BlockIndex:
         return n
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
-        order = TIER_ORDER.index
+        order = tier_rank
         locations = []
         for key in keys:
             places = self._where.get(key)
@@ -86,7 +86,7 @@ class BlockIndex:
     def locate(self, keys: Sequence[BlockKey]) -> list[tuple[Location, ...]]:
         """Every (node, tier) holding each key, fastest first; () for a key held nowhere. Unlike
         `longest_prefix` it does not stop at the first miss: a shard holds only some of a prefix."""
-        order = TIER_ORDER.index
+        order = tier_rank
         return [tuple(sorted(self._where.get(key, ()), key=lambda loc: (order(loc[1]), loc[0]))) for key in keys]
 
     def listing(self) -> list[tuple[str, str, list[BlockKey]]]:

@@ -112,6 +112,12 @@ DURABLE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.durable)
 NODE_TIERS: tuple[str, ...] = tuple(k.name for k in TIER_KINDS if k.node_actor)
 TierName = Literal[TIER_ORDER]  # type: ignore[valid-type]
 
+
+def tier_rank(location_tier: str) -> int:
+    """Where a location's tier sorts, fastest first. A location's tier is a kind, or a kind and a part of it
+    ("hbm/tp0-of-2": one tensor-parallel worker's lent pages), which sorts as its kind."""
+    return TIER_ORDER.index(location_tier.split("/", 1)[0])
+
 _OLD_FIELDS = {"tier": "kind", "capacity_gib": "capacity", "capacity_mib": "capacity"}  # the three schemas' names
 
 _FROM_KIND = ("medium", "read_gbps", "write_gbps", "latency_us")

@@ -37,7 +37,7 @@ from kvcluster.actors import metrics
 from kvcluster.actors.node_writer import NodeWriter
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient, LocalIndex
-from kvcluster.actors.lent_pages_actor import LENT_TIER
+from kvcluster.actors.lent_pages_actor import is_lent, lent_tier
 from kvcluster.actors.paged_lending import PagedKVLending
 from kvcluster.actors.peer_control import ActorPeerControl
 from kvcluster.actors.predictor_actor import PREDICTOR_NAME
@@ -46,7 +46,7 @@ from kvcluster.block_index import PrefixMatch
 from kvcluster.keys import BlockKey
 from kvcluster.serving.block_store import LocalBlockStore, served_context
 from kvcluster.storage import RDMABackend, StorageError
-from kvcluster.tiers import NIXL_TIERS, TIER_ORDER  # NIXL_TIERS: memory tiers whose slab a replica reads over NIXL
+from kvcluster.tiers import NIXL_TIERS, tier_rank  # NIXL_TIERS: memory tiers whose slab a replica reads over NIXL
 
 log = logging.getLogger(__name__)
 NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through the object store this long
@@ -76,18 +76,15 @@ class ClusterBlockStore:
         self._requests = 0
         self._regions: list[torch.Tensor] = []  # memory NIXL reads may land in (an engine's paged KV)
         self._in_place: set[tuple[str, str]] = set()  # readers with every region registered
-        self.lends = False  # this store's engine lends its paged KV as (node, LENT_TIER): never read from here
-        self.lent_suffix = ""  # a tensor-parallel worker's part of the lent-pages actors' names it reads (its rank's)
+        self.lends = False  # this store's engine lends its paged KV as (node, its lent tier): never read from here
+        self.lent_tier = lent_tier()  # the tier its engine (worker) lends as, when it lends
         self.counters = defaultdict(int)  # blocks served per tier, remote failures
 
     def _actor(self, node: str, tier: str):
         loc = (node, tier)
         if loc not in self._actors:
-            self._actors[loc] = ray.get_actor(self._actor_name(node, tier), namespace=NAMESPACE)
+            self._actors[loc] = ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
         return self._actors[loc]
-
-    def _actor_name(self, node: str, tier: str) -> str:
-        return actor_name(node, tier) + (self.lent_suffix if tier == LENT_TIER else "")
 
     def register(self, region: torch.Tensor) -> None:
         """Memory that blocks from memory tiers may be written straight into (an engine's paged KV tensors, host
@@ -152,7 +149,7 @@ class ClusterBlockStore:
                 break
             run.append(payload)
             node, tier = source[j]
-            self.counters["lent_pages" if tier == LENT_TIER else tier] += 1
+            self.counters["lent_pages" if is_lent(tier) else tier] += 1
             if node != self.node:
                 self._from_peers.add(bytes(rest[j]))  # "hbm" counts this store's own hits
         if run:
@@ -181,7 +178,7 @@ class ClusterBlockStore:
         refs = {}
         readers = {loc: self._reader(*loc) for loc in groups}
         for (node, tier), where in groups.items():
-            if readers[(node, tier)] is not None or tier == LENT_TIER:  # lent pages are read over NIXL or missed
+            if readers[(node, tier)] is not None or is_lent(tier):  # lent pages are read over NIXL or missed
                 continue
             try:
                 refs[(node, tier)] = self._actor(node, tier).get_many.remote([rest[j] for j in where])
@@ -230,9 +227,9 @@ class ClusterBlockStore:
 
     def lend(self, paged, suffix: str = ""):
         """Lend an engine's paged KV (`PagedKV`) as this node's hbm tier (`kvcluster.actors.paged_lending`); this
-        store then reads no lent pages of its own engine. `suffix`: a tensor-parallel worker's part of the lent
-        pages' actor names, those it reads too. None where it cannot lend (logged)."""
-        self.lent_suffix = suffix
+        store then reads no lent pages of its own engine. `suffix`: a tensor-parallel worker's part of its lent
+        tier's name (`lent_tier`). None where it cannot lend (logged)."""
+        self.lent_tier = lent_tier(suffix)
         lending = PagedKVLending.start(paged, self.node, suffix)
         self.lends = lending is not None
         return lending
@@ -254,10 +251,10 @@ class ClusterBlockStore:
         no_nixl = self._nixl_staging is None
         if not self.lends and not no_nixl:
             return match
-        mine = (self.node, LENT_TIER)
+        mine = (self.node, self.lent_tier)
         locations = []
         for locs in match.locations:
-            usable = tuple(loc for loc in locs if not (loc[1] == LENT_TIER and (no_nixl or tuple(loc) == mine)))
+            usable = tuple(loc for loc in locs if not (is_lent(loc[1]) and (no_nixl or tuple(loc) == mine)))
             if not usable:
                 break
             locations.append(usable)
@@ -266,7 +263,7 @@ class ClusterBlockStore:
     def _reader(self, node: str, tier: str) -> RDMABackend | None:
         """A NIXL reader of that memory tier's slab (metadata exchanged once), or None: use the object store."""
         loc = (node, tier)
-        if self._nixl_staging is None or (tier not in NIXL_TIERS and tier != LENT_TIER):
+        if self._nixl_staging is None or (tier not in NIXL_TIERS and not is_lent(tier)):
             return None
         if loc in self._readers:
             return self._readers[loc]
@@ -342,10 +339,10 @@ class ClusterBlockStore:
         """An engine's lent paged KV whose actor is gone (the engine exited or crashed; it is never restarted)
         holds nothing: the index is told, so no reader is promised its blocks again and their other copies are
         read instead. A tier actor is restarted and reports what it holds itself."""
-        if tier != LENT_TIER:
+        if not is_lent(tier):
             return
         try:
-            ray.get_actor(self._actor_name(node, tier), namespace=NAMESPACE)
+            ray.get_actor(actor_name(node, tier), namespace=NAMESPACE)
         except ValueError:
             client = self.index.client if isinstance(self.index, LocalIndex) else self.index
             client.lost(node, tier)
@@ -363,7 +360,7 @@ class ClusterBlockStore:
         """This node's fastest copy, else the fastest copy anywhere."""
         mine = [loc for loc in locations if loc[0] == self.node]
         pool = mine or list(locations)
-        return min(pool, key=lambda loc: TIER_ORDER.index(loc[1]))
+        return min(pool, key=lambda loc: tier_rank(loc[1]))
 
     def store(self, keys: Sequence[BlockKey], payloads: Sequence[np.ndarray | None],
               pairs: Sequence[int] | None = None, finish: str = "", output_tokens: int = 0,

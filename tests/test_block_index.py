@@ -25,6 +25,19 @@ def test_longest_prefix_and_where() -> None:
     idx.check_integrity()
 
 
+def test_a_workers_part_of_a_tier_sorts_as_its_kind_and_is_lost_alone() -> None:
+    """Tensor-parallel workers lend their pages as "hbm/tp{rank}-of-{size}": each is a tier of its own to the
+    index (one worker's restart clears its part only), ordered as hbm."""
+    idx = BlockIndex()
+    idx.stored("a", "dram", KEYS[:2])
+    idx.stored("a", "hbm/tp1-of-2", KEYS[:2])
+    idx.stored("a", "hbm/tp0-of-2", KEYS[2:4])
+    assert idx.locate(KEYS[:3]) == [(("a", "hbm/tp1-of-2"), ("a", "dram"))] * 2 + [(("a", "hbm/tp0-of-2"),)]
+    idx.lost("a", "hbm/tp1-of-2")
+    assert idx.locate(KEYS[:3]) == [(("a", "dram"),)] * 2 + [(("a", "hbm/tp0-of-2"),)]
+    idx.check_integrity()
+
+
 @given(st.lists(st.tuples(st.sampled_from(["stored", "removed", "lost"]), st.sampled_from("abc"),
                           st.sampled_from(["dram", "nvme", "pfs"]), st.integers(0, 7), st.integers(1, 8))))
 def test_index_stays_consistent(events) -> None:

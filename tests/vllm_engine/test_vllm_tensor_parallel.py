@@ -3,8 +3,10 @@
 Each worker keeps its shard of every block in tiers of its own (file tiers in `PATH/tp{rank}-of-2`), under
 its own key (`shard_key`); the scheduler, in the engine process, knows what they hold only from their
 per-step reports (and, on a cluster, from the cluster's index), and promises a block only when both can
-load it. The reference is the same two-worker engine without the connector, its prompt served from vLLM's
-own prefix cache: the same KV through the same kernels, so the log-probabilities match bit for bit.
+load it. The reference is the prompt served from the same engine's own prefix cache (vLLM's blocks, never
+kvcluster's): the same KV through the same kernels, so the log-probabilities match bit for bit. That the
+connector leaves a cold prefill as vLLM computes it alone is checked against an engine without it, once, in
+test_vllm_connector.py; a second two-worker engine here would only add a minute of start-up.
 """
 
 from __future__ import annotations
@@ -41,26 +43,13 @@ def two_workers():
         yield
 
 
-@pytest.fixture(scope="module")
-def tp_reference(model_dir, two_workers):
-    """vLLM alone with both workers: the prompt computed cold, then from vLLM's own prefix cache."""
-    llm = tp_engine(model_dir)
-    cold, warm = generate(llm), generate(llm)
-    close(llm)
-    assert (cold[2], warm[2]) == (0, 4 * BLOCK) and cold[0] == warm[0]
-    return cold, warm
-
-
-def tp_engine(model_dir, tiers: list[dict] | None = None, cluster: dict | None = None):
-    kw = {}
-    if tiers is not None:
-        extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
-        kw["kv_transfer_config"] = {
-            "kv_connector": "KVClusterConnector", "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+def tp_engine(model_dir, tiers: list[dict], cluster: dict | None = None):
+    extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
+    transfer = {"kv_connector": "KVClusterConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_module_path": "kvcluster.integrations.vllm.connector", "kv_connector_extra_config": extra}
     return vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
                     enable_prefix_caching=True, max_model_len=2048, tensor_parallel_size=TP,
-                    distributed_executor_backend="mp", **kw)
+                    distributed_executor_backend="mp", kv_transfer_config=transfer)
 
 
 def _worker_counts(worker) -> tuple[int, int, int, int, int, int]:
@@ -80,13 +69,21 @@ def counts(llm) -> list[tuple[int, int, int]]:
     return [tuple(c)[:3] for c in llm.collective_rpc(_worker_counts)]
 
 
+def cold_then_warm(llm) -> tuple[tuple, tuple]:
+    """The prompt computed (each worker saves its shard of the 4 full blocks), then from vLLM's prefix cache."""
+    cold = generate(llm)
+    counts_after_cold = counts(llm)
+    warm = generate(llm)
+    assert (cold[2], warm[2]) == (0, 4 * BLOCK) and cold[0] == warm[0]
+    assert counts(llm) == counts_after_cold == [(0, 0, 4), (0, 0, 4)]  # vLLM answered: nothing loaded or stored
+    return cold, warm
+
+
 def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_loads_both(
-        model_dir, tp_reference, tmp_path) -> None:
-    cold, warm = tp_reference
+        model_dir, two_workers, tmp_path) -> None:
     tiers = [{"kind": "pfs", "capacity": "8MiB", "path": str(tmp_path / "pfs")}]
     llm = tp_engine(model_dir, tiers)
-    assert generate(llm) == cold  # computed; each worker saves its shard of the 4 full blocks
-    assert counts(llm) == [(0, 0, 4), (0, 0, 4)]
+    cold, warm = cold_then_warm(llm)
     assert sorted(os.listdir(tmp_path / "pfs")) == ["tp0-of-2", "tp1-of-2"]
     llm.reset_prefix_cache()
     assert generate(llm) == warm  # the prefix from both workers' tiers, bit for bit vLLM's own
@@ -112,7 +109,7 @@ def test_two_tensor_parallel_workers_each_store_their_shard_and_a_fresh_engine_l
     close(llm)
 
 
-def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_dir, tp_reference,
+def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_dir, two_workers,
                                                                           two_nodes) -> None:
     """Two-worker engines on a two-node cluster: the engine on n0 saves; the control plane places both workers'
     shards in n0's dram tier actor, and each worker lends its shards from its paged KV. A fresh engine on n1
@@ -123,17 +120,16 @@ def test_on_a_cluster_each_worker_loads_its_shard_from_another_nodes_dram(model_
 
     from kvcluster.actors.index_client import IndexClient
 
-    cold, warm = tp_reference
     local = [{"kind": "dram", "capacity": "8MiB"}]
     link = {"node": "n0", "address": ray.get_runtime_context().gcs_address}
     lender = tp_engine(model_dir, local, link)
-    assert generate(lender) == cold
-    assert counts(lender) == [(0, 0, 4), (0, 0, 4)]
+    _, warm = cold_then_warm(lender)
     shards = [[shard_key(k, r, TP) for k in KEYS] for r in range(TP)]
     index = IndexClient.connect()
     deadline = time.monotonic() + 300
+    lent = [("n0", f"hbm/tp{r}-of-{TP}") for r in range(TP)]  # each worker's pages: a tier of its own
     while index.held_runs(shards) != [4, 4] or not all(
-            ("n0", "hbm") in locs for s in shards for locs in index.longest_prefix(s).locations):
+            lent[r] in locs for r, s in enumerate(shards) for locs in index.longest_prefix(s).locations):
         assert time.monotonic() < deadline, f"the cluster indexed {index.held_runs(shards)} of each worker's 4"
         time.sleep(0.2)  # the control plane's placement and the workers' lending are both fire-and-forget
     assert index.held_runs([KEYS]) == [0]  # only the shards are stored, never a whole block
