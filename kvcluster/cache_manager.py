@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .hierarchy import Hierarchy, ServeResult, TierPlan, build_hierarchy
+from .key_table import MIN_KEYS_SWEPT, KeyTable
 from .policies.base import RequestContext
 from .predictor import PredictorConfig
 from .prefetch import Prefetcher
-
-
-MIN_KEYS_SWEPT = 4096  # the key table is swept for blocks no policy remembers at twice what it kept, and no sooner
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +89,8 @@ class CacheManager:
         self.names = [t.name for t in plan]
         self.policy = policy
         self.hierarchy: Hierarchy = build_hierarchy(policy, plan, predictor_config, policy_options=policy_options)
-        self._ids: dict[bytes, int] = {}
-        self._keys: list[bytes | None] = []  # by id; None: an id let go, in `_free` for the next new key
-        self._free: list[int] = []
-        self._min_sweep = self._sweep_at = keys_swept_from
+        self._table = KeyTable(keys_swept_from)
+        self._ids, self._keys = self._table.ids, self._table.keys  # key -> id, id -> key (None: free)
         self._pins: Counter = Counter()  # block id -> readers copying it out
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
@@ -105,36 +101,17 @@ class CacheManager:
     # -- keys ---------------------------------------------------------------------------------
 
     def _intern(self, keys: Iterable[bytes]) -> list[int]:
-        ids, names, free, out = self._ids, self._keys, self._free, []
-        for key in keys:
-            i = ids.get(key)
-            if i is None:
-                if free:
-                    i = ids[key] = free.pop()
-                    names[i] = key
-                else:
-                    i = ids[key] = len(names)
-                    names.append(key)
-            out.append(i)
-        return out
+        return self._table.intern(keys)
 
     def _sweep_keys(self) -> None:
-        """Let go of the keys of blocks no tier's policy remembers (and no reader pins), once the table holds
-        twice what the last sweep kept: amortized O(tiers) per new key."""
-        if len(self._ids) <= self._sweep_at:
-            return
-        policies, pins, names = self.hierarchy.policies, self._pins, self._keys
-        gone = [i for i, key in enumerate(names)
-                if key is not None and i not in pins and not any(p.remembers(i) for p in policies)]
-        for i in gone:
-            del self._ids[names[i]]
-            names[i] = None
-        self.prefetcher.forget(gone)  # one lost on a failed move may still be pending
-        self._free.extend(reversed(gone))  # the lowest ids are taken first
-        self._sweep_at = max(self._min_sweep, 2 * len(self._ids))
+        """Let go of the keys of blocks no tier's policy remembers and no reader pins (`KeyTable.sweep`)."""
+        policies, pins = self.hierarchy.policies, self._pins
+        gone = self._table.sweep(lambda i: i in pins or any(p.remembers(i) for p in policies))
+        if gone:
+            self.prefetcher.forget(gone)  # one lost on a failed move may still be pending
 
     def _known(self, keys: Iterable[bytes]) -> list[int | None]:
-        return [self._ids.get(k) for k in keys]
+        return self._table.known(keys)
 
     def _known_ids(self, keys: Iterable[bytes]) -> list[int]:
         return [i for i in self._known(keys) if i is not None]
