@@ -17,6 +17,9 @@ one request that was only that prompt) would otherwise pull every conversation
 after it to one node, where a second continuation is a branch that the load may
 place anywhere.
 
+Nodes may come and go (`join`, `leave`: a Serve deployment's replicas do): a
+session whose node left is placed again, as a new one, on its next request.
+
 Pure logic, no clock of its own: the caller passes each request's arrival time.
 """
 
@@ -47,6 +50,7 @@ class SessionRouter:
         self._recent: list[deque[tuple[float, int]]] = [deque() for _ in range(nodes)]  # (arrival, blocks)
         self._recent_blocks = [0] * nodes
         self._placed = [0] * nodes  # sessions (and sessionless conversations) placed on each node
+        self._gone: set[int] = set()  # nodes that left: never chosen again
 
     def route(self, session: str, blocks: Sequence[Hashable], now: float) -> int:
         """The node that serves a request of `session` ("" if it names none) with these block keys, arriving at
@@ -54,7 +58,7 @@ class SessionRouter:
         self._expire(now)
         if session:
             node = self._home.get(session)
-            if node is None:
+            if node is None or node in self._gone:
                 node = self._home[session] = self._least_loaded()
             else:
                 self._home.move_to_end(session)
@@ -68,6 +72,24 @@ class SessionRouter:
         self._recent_blocks[node] += len(blocks)
         return node
 
+    def join(self) -> int:
+        """A node added: its index, the next one; new sessions may be placed there at once."""
+        self._recent.append(deque())
+        self._recent_blocks.append(0)
+        self._placed.append(0)
+        self.nodes += 1
+        return self.nodes - 1
+
+    def leave(self, node: int) -> None:
+        """Node `node` is gone: its sessions, and continuations of its sessionless requests, are placed again."""
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"node must be one of 0..{self.nodes - 1}, got {node!r}")
+        self._gone.add(node)
+
+    @property
+    def live(self) -> list[int]:
+        return [n for n in range(self.nodes) if n not in self._gone]
+
     def load(self, node: int) -> tuple[int, int, int]:
         """What placement compares, least first: (blocks routed in the window, sessions placed, node)."""
         return self._recent_blocks[node], self._placed[node], node
@@ -77,7 +99,10 @@ class SessionRouter:
         return len(self._home)
 
     def _least_loaded(self) -> int:
-        node = min(range(self.nodes), key=self.load)
+        live = self.live
+        if not live:
+            raise RuntimeError("every node has left: there is nowhere to route")
+        node = min(live, key=self.load)
         self._placed[node] += 1
         return node
 
@@ -86,7 +111,7 @@ class SessionRouter:
         tails = self._tails
         for block in reversed(blocks):
             node = tails.pop(block, None)
-            if node is not None:
+            if node is not None and node not in self._gone:
                 return node
         return self._least_loaded()
 

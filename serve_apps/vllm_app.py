@@ -3,7 +3,8 @@
 The front is configs/serve_runner.yaml's (serve_apps/ingress.py: the same endpoints, request checks, errors and
 `usage.prompt_tokens_details.cached_tokens`), without a cache cluster: each replica's vLLM engine keeps its
 prefix KV itself, in vLLM's prefix cache and, through `KVClusterConnector`, in kvcluster's tiers in the
-replica's process. Requests reach replicas by their leading block (serve_apps/vllm_router.py).
+replica's process. A session stays on one replica, new sessions go to the least loaded
+(serve_apps/vllm_router.py).
 """
 
 from __future__ import annotations

@@ -44,13 +44,15 @@ class VLLMAppConfig(BaseModel):
         default_factory=lambda: ConnectorConfig(tiers=[{"kind": "dram", "capacity": "512MiB"}]),
         description="KVClusterConnector's kv_connector_extra_config (tiers fastest first, policy); null: "
                     "vLLM's own prefix cache only.")
-    num_replicas: int = Field(1, ge=1, description="Engine replicas; requests route by their leading block.")
+    num_replicas: int = Field(1, ge=1, description="Engine replicas; a session stays on one, new sessions go to "
+                              "the least loaded (serve_apps/vllm_router.py).")
     replica_cpus: float = Field(1.0, ge=0, description="Ray CPUs each replica reserves.")
     omp_threads: int = Field(1, ge=1, description="OpenMP threads of each engine's CPU kernels.")
     max_ongoing_requests: int = Field(8, ge=1, description="Requests one engine batches at once (its "
                                       "max_num_seqs); more wait in Serve's queue.")
-    route_tokens: int = Field(128, ge=1, description="Leading prompt tokens whose block key picks the replica "
-                              "(vLLM's block size on CPU; a shorter prompt goes to the shortest queue).")
+    route_tokens: int = Field(128, ge=1, description="Tokens per block of the router's keys (vLLM's block size on "
+                              "CPU): a request without a session follows the one whose blocks it continues, and "
+                              "a replica's load is the blocks routed to it.")
     root_seed: str = Field("kvcluster-v1", description="Root of the routing keys.")
     api: dict[str, Any] = Field(default_factory=dict, description=f"The OpenAI front's limits: "
                                 f"{', '.join(API_FIELDS)} (as in configs/serve_runner.yaml).")

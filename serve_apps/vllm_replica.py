@@ -29,7 +29,7 @@ from kvcluster.tokenizer import tokenizer_dir
 
 from .vllm_config import DTYPES, VLLMAppConfig
 from .vllm_engine_loop import EngineLoop
-from .vllm_router import LeadingBlockRouter
+from .vllm_router import SessionAffinityRouter
 
 CONNECTOR_MODULE = "kvcluster.integrations.vllm.connector"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -204,7 +204,7 @@ class VLLMReplica:
 
 def replica_deployment(cfg: VLLMAppConfig):
     """VLLMReplica as a Serve deployment: `num_replicas` engines, each in its own process with vLLM's engine
-    core inside it (the connector needs that), routed by the prompt's leading block."""
+    core inside it (the connector needs that), routed by session (serve_apps/vllm_router.py)."""
     from ray.serve.config import RequestRouterConfig
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_space_gib),
@@ -216,7 +216,7 @@ def replica_deployment(cfg: VLLMAppConfig):
         ray_actor_options={"num_cpus": cfg.replica_cpus, "runtime_env": {"env_vars": env}},
         max_ongoing_requests=cfg.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
-            request_router_class=LeadingBlockRouter,
+            request_router_class=SessionAffinityRouter,
             request_router_kwargs={"block_tokens": cfg.route_tokens, "root_seed": cfg.root_seed}),
         health_check_period_s=10,
     )

@@ -1,61 +1,95 @@
-"""Prefix-aware routing for vLLM replicas: the prompt's leading block picks the replica, consistently.
+"""Session-affine routing for vLLM replicas: a session stays on one replica, new sessions go to the least loaded.
 
-kvcluster's own router (serve_apps/router.py) asks the cluster's global index which node holds a prompt's
-longest prefix. A vLLM replica keeps its KV in its own engine (vLLM's prefix cache, then the connector's
-tiers in the same process), which no index sees; so here the leading block's key (kvcluster's chained block
-key of the first `route_tokens` prompt tokens and the tenant's salt) chooses the replica by rendezvous
-hashing: every request that starts with the same block, above all every turn of one conversation, goes to the
-same replica, where its prefix is cached, and adding or losing a replica moves only the prefixes that
-replica owned. A prompt shorter than one block has nothing cached anywhere and goes where Serve finds the
-shortest queue; so does a request whose replica is full (its queue at `max_ongoing_requests`).
+A vLLM replica keeps its KV in its own engine (vLLM's prefix cache, then the connector's tiers in the same
+process), which no index sees, so where a conversation's next turn is served decides whether its history is
+cached. The decision is the core's `SessionRouter`, the same one the simulator replays a cluster with: a
+request that names its session (the API's `user`, per tenant) goes where the session went before; a new
+session goes to the replica with the fewest blocks routed to it over the last `window_s` seconds; a request
+without one follows the sessionless request it continues (its earlier prompt is a prefix of this one). A
+shared system prompt therefore does not pull every conversation onto one replica, as routing by the leading
+block did.
+
+Serve's replicas come and go: a replica seen for the first time joins the router, one no longer among the
+candidates leaves it, and its sessions are placed again on their next request. A request whose replica is
+full (its queue at `max_ongoing_requests`) goes where Serve finds the shortest queue, and its session keeps
+its replica. Each ingress process has its own router: with one ingress (the default) every decision is one
+router's; with several, each keeps its own sessions' affinity.
 """
 
 from __future__ import annotations
 
-import hashlib
+import time
+from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from kvcluster.keys import BlockKey, KeySpace
+from kvcluster.keys import KeySpace
+from kvcluster.session_routing import WINDOW_S, SessionRouter
 
 
-def leading_block_key(prompt_ids: Sequence[int], block_tokens: int, cache_salt: str = "",
-                      root_seed: str = "kvcluster-v1") -> BlockKey | None:
-    """The key of the prompt's first full block, or None when it has none."""
-    keys = KeySpace(model="route", root_seed=root_seed).chain_token_ids(prompt_ids[:block_tokens], block_tokens,
-                                                                        cache_salt)
-    return keys[0] if keys else None
+MAX_DECISIONS = 4096  # requests whose replica is remembered, for Serve's retries of the same request
 
 
-def rendezvous_order(replica_ids: Sequence[str], key: bytes) -> list[str]:
-    """The replicas, most preferred for `key` first (highest random weight hashing)."""
-    def weight(rid: str) -> bytes:
-        return hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
+class ReplicaSessions:
+    """`SessionRouter` over Serve replicas by id; pure, so the tests drive it with fake replicas."""
 
-    return sorted(replica_ids, key=weight, reverse=True)
+    def __init__(self, block_tokens: int, root_seed: str = "kvcluster-v1", window_s: float = WINDOW_S) -> None:
+        self.block_tokens = block_tokens
+        self.keys = KeySpace(model="route", root_seed=root_seed)
+        self.window_s = window_s
+        self.router: SessionRouter | None = None
+        self.node_of: dict[str, int] = {}  # replica id -> the router's node
+        self._decided: OrderedDict[str, str] = OrderedDict()  # request id -> replica id
+
+    def choose(self, replica_ids: Sequence[str], request_id: str, session: str, prompt_ids: Sequence[int],
+               cache_salt: str = "", now: float = 0.0) -> str:
+        """The replica for this request. Asked again for the same request (Serve retries a full replica's),
+        the same answer while that replica is a candidate: the request is counted once."""
+        known = self._decided.get(request_id)
+        if known is not None and known in replica_ids:
+            return known
+        self._sync(replica_ids)
+        b = self.block_tokens
+        blocks = self.keys.chain_token_ids(list(prompt_ids[: len(prompt_ids) // b * b]), b, cache_salt)
+        node = self.router.route(session, blocks, now)
+        replica = next(rid for rid, n in self.node_of.items() if n == node)
+        self._decided[request_id] = replica
+        if len(self._decided) > MAX_DECISIONS:
+            self._decided.popitem(last=False)
+        return replica
+
+    def _sync(self, replica_ids: Sequence[str]) -> None:
+        """New replicas join (in id order, so two routers fed the same replicas agree), missing ones leave."""
+        if not replica_ids:
+            raise ValueError("no replica to route to")
+        current = set(replica_ids)
+        for rid in [r for r in self.node_of if r not in current]:
+            self.router.leave(self.node_of.pop(rid))
+        for rid in sorted(current - set(self.node_of)):
+            if self.router is None:
+                self.router = SessionRouter(1, window_s=self.window_s)
+                self.node_of[rid] = 0
+            else:
+                self.node_of[rid] = self.router.join()
 
 
-def rank_by_prefix(replicas: List, key: bytes | None, available: set) -> List[List]:
-    """[the key's most preferred replica that has room, every other replica]; one rank without a key or room."""
-    if key is None:
-        return [list(replicas)]
-    by_id = {str(r.replica_id): r for r in replicas}
-    first = next((by_id[rid] for rid in rendezvous_order(list(by_id), key) if by_id[rid].replica_id in available),
-                 None)
+def rank_for(replicas: List, chosen: str, available: set) -> List[List]:
+    """[the chosen replica, every other] when it has room; else one rank, where Serve takes the shortest queue."""
+    first = next((r for r in replicas if str(r.replica_id) == chosen and r.replica_id in available), None)
     if first is None:
         return [list(replicas)]
     rest = [r for r in replicas if r is not first]
     return [[first], rest] if rest else [[first]]
 
 
-class LeadingBlockRouter(FIFOMixin, RequestRouter):
-    """Routes `generate(job)` calls by `job["prompt_ids"]`'s leading block (request_router_kwargs:
-    `block_tokens`, `root_seed`)."""
+class SessionAffinityRouter(FIFOMixin, RequestRouter):
+    """Routes `generate(job)` calls by `job["session"]` and `job["prompt_ids"]` (request_router_kwargs:
+    `block_tokens`, `root_seed`, `window_s`)."""
 
-    def initialize_state(self, block_tokens: int = 128, root_seed: str = "kvcluster-v1", **kwargs) -> None:
-        self.block_tokens = block_tokens
-        self.root_seed = root_seed
+    def initialize_state(self, block_tokens: int = 128, root_seed: str = "kvcluster-v1", window_s: float = WINDOW_S,
+                         **kwargs) -> None:
+        self.sessions = ReplicaSessions(block_tokens, root_seed, window_s)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -65,6 +99,8 @@ class LeadingBlockRouter(FIFOMixin, RequestRouter):
         if not isinstance(job, dict) or not job.get("prompt_ids"):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
-        key = leading_block_key(job["prompt_ids"], self.block_tokens, job.get("cache_salt", ""), self.root_seed)
+        chosen = self.sessions.choose([str(r.replica_id) for r in candidate_replicas],
+                                      pending_request.metadata.internal_request_id, job.get("session", ""),
+                                      job["prompt_ids"], job.get("cache_salt", ""), time.monotonic())
         available = {r.replica_id for r in self.select_available_replicas(candidate_replicas)}
-        return rank_by_prefix(candidate_replicas, key, available)
+        return rank_for(candidate_replicas, chosen, available)

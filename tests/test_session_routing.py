@@ -79,3 +79,29 @@ def test_forgets_the_least_recent_half_past_max_sessions():
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SessionRouter(**kwargs)
+
+
+def test_a_node_that_joins_takes_new_sessions_and_one_that_leaves_gives_its_sessions_up():
+    router = SessionRouter(2)
+    assert [router.route(s, [1], 0.0) for s in "ab"] == [0, 1]
+    assert router.join() == 2 and router.nodes == 3
+    assert router.route("c", [1], 0.0) == 2  # the new node is the least loaded
+    router.leave(0)
+    assert router.live == [1, 2]
+    assert router.route("a", [1], 1.0) == 1  # placed again, on the least loaded live node
+    assert router.route("a", [1], 2.0) == 1  # and stays there
+    assert router.route("b", [1], 2.0) == 1 and router.route("c", [1], 2.0) == 2
+    router.leave(1)
+    router.leave(2)
+    with pytest.raises(RuntimeError, match="nowhere"):
+        router.route("d", [1], 3.0)
+    with pytest.raises(ValueError, match="node"):
+        router.leave(3)
+
+
+def test_a_sessionless_continuation_of_a_node_that_left_is_placed_again():
+    router = SessionRouter(2)
+    assert router.route("", [1, 2], 0.0) == 0
+    assert router.route("", [5], 0.0) == 1
+    router.leave(0)
+    assert router.route("", [1, 2, 3], 1.0) == 1

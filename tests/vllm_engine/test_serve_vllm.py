@@ -26,7 +26,6 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 from serve_support import BLOCK, MODEL, local_serve, long_prompt  # noqa: E402
 
-from kvcluster.serve_apps.vllm_router import leading_block_key, rank_by_prefix, rendezvous_order  # noqa: E402
 
 LONG_PROMPT = long_prompt(5)
 
@@ -81,29 +80,6 @@ def test_a_bad_request_is_a_400_naming_the_field(client) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=65)
     assert "at most 64" in err.value.body["message"]
-
-
-def _replicas(*ids: str) -> list:
-    return [SimpleNamespace(replica_id=rid) for rid in ids]
-
-
-def test_the_leading_block_picks_one_replica_consistently() -> None:
-    prompt = list(range(3, 3 + BLOCK + 40))
-    key = leading_block_key(prompt, BLOCK)
-    assert key == leading_block_key(prompt[:BLOCK] + [9, 9, 9], BLOCK)  # only the first block counts
-    assert key != leading_block_key(prompt, BLOCK, cache_salt="tenant-b")
-    assert leading_block_key(prompt[: BLOCK - 1], BLOCK) is None
-
-    replicas = _replicas("a", "b", "c")
-    order = rendezvous_order(["a", "b", "c"], key)
-    ranks = rank_by_prefix(replicas, key, {"a", "b", "c"})
-    assert [r.replica_id for r in ranks[0]] == [order[0]] and len(ranks[1]) == 2
-    # losing another replica keeps the choice; a full preferred replica falls to the next in the key's order
-    survivors = [r for r in replicas if r.replica_id in (order[0], order[2])]
-    assert rank_by_prefix(survivors, key, {order[0], order[2]})[0][0].replica_id == order[0]
-    assert rank_by_prefix(replicas, key, {order[1], order[2]})[0][0].replica_id == order[1]
-    assert rank_by_prefix(replicas, None, {"a"}) == [replicas]
-    assert rank_by_prefix(replicas, key, set()) == [replicas]
 
 
 class _FakeEngine:

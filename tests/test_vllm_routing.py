@@ -1,0 +1,65 @@
+"""The vLLM app's router: sessions stay on a replica, new ones spread by load, replicas come and go."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvcluster.serve_apps.vllm_router import ReplicaSessions, rank_for
+
+BLOCK = 4
+SYSTEM = [7] * (2 * BLOCK)  # a system prompt every conversation starts with
+
+
+def prompt(turn: int, session: int) -> list[int]:
+    return SYSTEM + [100 + session] * BLOCK * turn
+
+
+def test_sessions_sharing_a_system_prompt_spread_and_each_stays_on_its_replica() -> None:
+    sessions = ReplicaSessions(BLOCK)
+    replicas = ["r1", "r2", "r3"]
+    first = [sessions.choose(replicas, f"q{s}", f"t/s{s}", prompt(1, s), now=float(s)) for s in range(6)]
+    assert first == ["r1", "r2", "r3", "r1", "r2", "r3"]  # placed by load, not pulled together by SYSTEM
+    later = [sessions.choose(replicas, f"q{s}-2", f"t/s{s}", prompt(2, s), now=10.0 + s) for s in range(6)]
+    assert later == first
+
+
+def test_a_retried_request_is_counted_once_and_keeps_its_replica() -> None:
+    sessions = ReplicaSessions(BLOCK)
+    assert sessions.choose(["a", "b"], "q1", "t/x", prompt(1, 0)) == "a"
+    for _ in range(3):  # Serve asks again while the replica is full
+        assert sessions.choose(["a", "b"], "q1", "t/x", prompt(1, 0)) == "a"
+    assert sessions.router.load(0)[0] == 3  # the prompt's 3 blocks, once
+    assert sessions.choose(["a", "b"], "q2", "t/y", prompt(1, 1)) == "b"
+
+
+def test_sessionless_turns_follow_the_prompt_they_extend_per_tenant() -> None:
+    sessions = ReplicaSessions(BLOCK)
+    assert sessions.choose(["a", "b"], "q1", "", prompt(1, 0)) == "a"
+    assert sessions.choose(["a", "b"], "q2", "", prompt(1, 1)) == "b"
+    assert sessions.choose(["a", "b"], "q3", "", prompt(2, 1)) == "b"  # extends q2's prompt
+    # another tenant's identical prompt is not a continuation of this one's (its keys are salted)
+    assert sessions.choose(["a", "b"], "q4", "", prompt(3, 1), cache_salt="tenant-b") == "a"
+
+
+def test_replicas_that_come_and_go() -> None:
+    sessions = ReplicaSessions(BLOCK)
+    assert sessions.choose(["a"], "q1", "t/x", prompt(1, 0)) == "a"
+    assert sessions.choose(["a", "b"], "q2", "t/y", prompt(1, 1)) == "b"  # b joined: the least loaded
+    assert sessions.choose(["b", "c"], "q3", "t/x", prompt(2, 0)) == "c"  # a left: x placed again, on c
+    assert sessions.choose(["b", "c"], "q4", "t/x", prompt(3, 0)) == "c"
+    assert sessions.choose(["b", "c"], "q5", "t/y", prompt(2, 1)) == "b"
+    with pytest.raises(ValueError, match="no replica"):
+        sessions.choose([], "q6", "t/x", prompt(1, 0))
+
+
+def _replicas(*ids: str) -> list:
+    return [SimpleNamespace(replica_id=rid) for rid in ids]
+
+
+def test_the_chosen_replica_first_while_it_has_room() -> None:
+    replicas = _replicas("a", "b", "c")
+    assert rank_for(replicas, "b", {"a", "b", "c"}) == [[replicas[1]], [replicas[0], replicas[2]]]
+    assert rank_for(replicas, "b", {"a", "c"}) == [replicas]  # full: Serve's shortest queue
+    assert rank_for(replicas[:1], "a", {"a"}) == [[replicas[0]]]
