@@ -7,7 +7,8 @@ Each node gets its node-local tier actors (its 1/N share of every local tier,
 shared filesystem that every node reads and writes (`pfs`, location "pfs"), or
 DRAM each node lends to the pool (`dram`: a memory tier actor
 `kvcluster/<node>/pool` per node, its name the location; a node writes its pool
-blocks into its own share and reads any node's share straight from it).
+blocks into its own share and reads any node's share over NIXL, straight from
+the share's registered slab, as replicas read a peer's dram tier).
 
 Requests go to nodes by the simulator's `SessionRouter`. This process stands in
 for every node's engine; per request, on its node:
@@ -43,13 +44,14 @@ from kvcluster.cluster_sim import ClusterPlan, ClusterResult, replay_cluster, sp
 from kvcluster.policies.registry import POLICIES
 from kvcluster.session_routing import SessionRouter
 from kvcluster.simulator import PreparedTrace, request_context
-from kvcluster.storage import PFSBackend
+from kvcluster.storage import PFSBackend, RDMABackend, StorageError
 
 from .deploy import start_tier_actor
 from .index_actor import INDEX_NAME, NAMESPACE, IndexActor
 from .live_replay import block_key, block_payload
 from .node_control_actor import NodeControlActor, control_name
 from .node_writer import NodeWriter
+from .peer_control import ActorPeerControl
 from .pool_manager_actor import POOL_MANAGER_NAME, PoolManagerActor
 from .tier_actor import TierActor, TierActorConfig, actor_name
 
@@ -72,6 +74,9 @@ class SharedFilePool:
     def location(self, node: str) -> str:
         return "pfs"
 
+    def close(self) -> None:
+        """Nothing is held open between calls: each read and write opens its files."""
+
     def read(self, groups: dict[str, list[bytes]]) -> tuple[dict[bytes, np.ndarray | None], list[str]]:
         """The blocks of each location (None: missing or corrupt), and the locations found dead (none here)."""
         return {k: v for keys in groups.values() for k, v in zip(keys, self.backend.get_many(keys))}, []
@@ -88,11 +93,17 @@ class SharedFilePool:
 
 class LentDramPool:
     """The pool's storage as DRAM each node lends: a memory tier actor `kvcluster/<node>/pool` per node, whose
-    name is its location. A node writes into its own share and reads any share straight from its actor; a share
-    whose node died answers no more (`dead`), and the manager forgets what it held."""
+    name is its location. A node writes into its own share; it reads any share over NIXL (one reader per share,
+    its metadata exchanged once), or, where NIXL cannot (not installed, the share unreachable), through the
+    share's actor, which also tells a share whose node died (`dead`): the manager forgets what it held."""
+
+    STAGING_BLOCKS = 64  # a NIXL reader's staging buffer, in blocks; larger reads go in batches of it
 
     def __init__(self) -> None:
         self.shares: dict[str, object] = {}
+        self.readers: dict[str, RDMABackend | None] = {}
+        self.block_bytes = 0
+        self.counters = {"nixl_blocks": 0, "actor_blocks": 0}
 
     @staticmethod
     def share_name(node: str) -> str:
@@ -100,6 +111,7 @@ class LentDramPool:
 
     def start(self, names: Sequence[str], ray_nodes: Sequence[str], capacity_blocks: int, block_bytes: int) -> list:
         """One share per node, each able to hold the whole pool (the manager bounds the total)."""
+        self.block_bytes = block_bytes
         for name, node_id in zip(names, ray_nodes):
             cfg = TierActorConfig.of(node=f"{name}-pool", kind="dram", slots=capacity_blocks, slot_bytes=block_bytes)
             pinned = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
@@ -110,13 +122,37 @@ class LentDramPool:
     def location(self, node: str) -> str:
         return self.share_name(node)
 
+    def _reader(self, at: str) -> RDMABackend | None:
+        if at not in self.readers:
+            try:
+                self.readers[at] = RDMABackend(ActorPeerControl(self.shares[at], timeout_s=TIMEOUT_S),
+                                               self.STAGING_BLOCKS * self.block_bytes, 1, name=f"kvc-pool-{at}")
+            except StorageError:  # NIXL missing, or the share gone: its actor answers (or says it is dead)
+                self.readers[at] = None
+        return self.readers[at]
+
     def read(self, groups: dict[str, list[bytes]]) -> tuple[dict[bytes, np.ndarray | None], list[str]]:
-        """Each share's blocks, read straight from it (None: missing, or its share unreachable), and the shares
-        found dead: their node is gone, and so is everything they held."""
-        refs = {at: self.shares[at].get_many.remote(keys) for at, keys in groups.items() if at in self.shares}
+        """Each share's blocks (None: missing, corrupt, or its share unreachable), and the shares found dead:
+        their node is gone, and so is everything they held."""
         out: dict[bytes, np.ndarray | None] = {}
-        dead = []
+        by_actor = {}
         for at, keys in groups.items():
+            reader = self._reader(at) if at in self.shares else None
+            if reader is None:
+                by_actor[at] = keys
+                continue
+            results: list[np.ndarray | None] = [None] * len(keys)
+            try:
+                reader.read_into(keys, None, results, raise_unavailable=True)
+            except StorageError:  # unreachable over NIXL: its actor tells a dead share from a slow one
+                self.readers.pop(at).close()
+                by_actor[at] = keys
+                continue
+            out.update(zip(keys, results))
+            self.counters["nixl_blocks"] += sum(r is not None for r in results)
+        refs = {at: self.shares[at].get_many.remote(keys) for at, keys in by_actor.items() if at in self.shares}
+        dead = []
+        for at, keys in by_actor.items():
             got = [None] * len(keys)
             try:
                 got = ray.get(refs[at], timeout=TIMEOUT_S) if at in refs else got
@@ -125,7 +161,14 @@ class LentDramPool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass  # unreachable for now: misses, the share may answer again
             out.update(zip(keys, got))
+            self.counters["actor_blocks"] += sum(g is not None for g in got)
         return out, dead
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            if reader is not None:
+                reader.close()
+        self.readers.clear()
 
     def write(self, at: str, keys: list[bytes], payloads: list[np.ndarray], delete: dict[str, list[bytes]]
               ) -> tuple[list[bytes], list[str]]:
@@ -171,7 +214,7 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
     shares = [split_capacity(t.capacity_blocks, nodes, f"plan.local {t.name!r}") for t in plan.local]
     names = [f"node{i}" for i in range(nodes)]
     scratch = Path(tempfile.mkdtemp(prefix="kvcluster-live-cluster-"))
-    started = []
+    started, storage = [], None
     try:
         try:
             ray.get_actor(INDEX_NAME, namespace=NAMESPACE)  # the tier actors report to it
@@ -204,6 +247,8 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
                                                                    timeout=TIMEOUT_S))
         pool_stats = ray.get(manager.stats.remote(), timeout=TIMEOUT_S)
     finally:
+        if storage is not None:
+            storage.close()
         for actor in started:
             ray.kill(actor, no_restart=True)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -211,6 +256,7 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
     return {"driver": "live", "nodes": nodes, "pool_storage": pool_storage, "block_bytes": block_bytes,
             "wrong_bytes": driver.wrong_bytes, "control_payload_bytes": control_payload,
             "pool_payload_bytes": pool_stats["payload_bytes"], "pool": pool_stats,
+            "pool_reads": dict(getattr(storage, "counters", {})),
             "misses_on_read": driver.missing, "live": live.to_dict(), "simulated": simulated.to_dict(),
             "max_abs_diff": max(abs(live.hit_rate - simulated.hit_rate),
                                 abs(live.local_share - simulated.local_share))}

@@ -92,6 +92,9 @@ def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster)
         assert where == [None] * 4 and write == keys and not delete
         assert storage.write(at, write, [block_payload(k, 512) for k in write], delete) == ([], [])
     assert ray.get(manager.lookup.remote(theirs)) == [storage.location("node3")] * 4
+    got, dead = storage.read({storage.location("node3"): theirs})
+    assert not dead and all(np.array_equal(got[k], block_payload(k, 512)) for k in theirs)
+    assert storage.counters == {"nixl_blocks": 4, "actor_blocks": 0}  # read over NIXL, not through the actor
 
     c.remove_node(workers[-1])  # node 3, its lent DRAM with it
     deadline = time.monotonic() + 300
@@ -111,5 +114,7 @@ def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster)
     assert stats["blocks"] == 4 and stats["lost"] == 4 and stats["payload_bytes"] == 0
     where, write, _ = ray.get(manager.lookup_access.remote(theirs, RequestContext(2, 2.0), storage.location("node0")))
     assert where == [None] * 4 and write == theirs  # a miss, written again where a live node lends
+    assert storage.counters["nixl_blocks"] == 8  # node 0's share too
+    storage.close()
     for actor in shares[:-1] + [manager, index]:
         ray.kill(actor, no_restart=True)
