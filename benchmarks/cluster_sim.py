@@ -9,6 +9,10 @@ two-tier replay of the same plan (`kvcluster.simulator.replay`), under
 `reference`. Goal: pooled `bayes` at 8 and 64 nodes at >= 0.95x its 1-node hit
 rate on every trace, and above pooled `lru`.
 
+`--pool-shards 1,4,16`: pooled rows for the pool split by key hash over that many
+managers (`kvcluster.pool.ShardedPool`, each with its share of the capacity and a
+policy of its own), against one manager (1), to measure what the split costs.
+
 `--live`: the pool live instead (`kvcluster.actors.live_cluster_replay`), on
 `--live-nodes` Ray nodes of a `ray.cluster_utils.Cluster` on this machine: the
 first `--live-records` ShareGPT conversations, the same 1% + 4% plan, a
@@ -18,8 +22,9 @@ the bytes that read back wrong, and the pool manager's decisions per second (the
 answer, and `--live-in-flight` calls in flight).
 
     .venv/bin/python benchmarks/cluster_sim.py [--json] [--traces claude-code,swe-agent,mooncake]
-        [--nodes 1,8,64] [--policies bayes,lru] [--max-requests N] [--fixed-clock] [--clock-seed N]
-    .venv/bin/python benchmarks/cluster_sim.py --live [--json] [--policies bayes,lru] [--live-nodes 4]
+        [--nodes 1,8,64] [--policies bayes,lru] [--max-requests N] [--pool-shards 1,4,16] [--fixed-clock]
+        [--clock-seed N]
+    .venv/bin/python benchmarks/cluster_sim.py --live [--json] [--policies bayes,lru] [--live-nodes 4] [--live-pool dram]
         [--live-records 40] [--live-in-flight 8]
 """
 
@@ -73,8 +78,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nodes", default=",".join(map(str, NODES)))
     parser.add_argument("--policies", default=",".join(POLICIES_RUN))
     parser.add_argument("--max-requests", type=int, default=None, help="replay only each trace's first N requests")
+    parser.add_argument("--pool-shards", default="1", help="comma-separated: the pool split by key hash over this "
+                        "many managers (rows per count; 1: one manager), to measure what the split costs")
     parser.add_argument("--live", action="store_true", help="replay live on a local multi-node Ray cluster")
     parser.add_argument("--live-nodes", type=int, default=4)
+    parser.add_argument("--live-pool", choices=("pfs", "dram"), default="pfs",
+                        help="the live pool's storage: one shared directory, or DRAM each node lends (read over NIXL)")
     parser.add_argument("--live-records", type=int, default=40, help="ShareGPT conversations replayed live")
     parser.add_argument("--live-in-flight", type=int, default=8, help="pool manager calls in flight (its rate)")
     add_clock_options(parser)
@@ -92,6 +101,12 @@ def parse_args() -> argparse.Namespace:
         parser.error("--nodes: every count must be >= 1")
     if 1 not in args.nodes:
         args.nodes.insert(0, 1)  # the reference of vs_1_node
+    try:
+        args.pool_shards = [int(x) for x in _csv(parser, "--pool-shards", args.pool_shards)]
+    except ValueError:
+        parser.error("--pool-shards: integers, comma-separated")
+    if any(n < 1 for n in args.pool_shards):
+        parser.error("--pool-shards: every count must be >= 1")
     if args.max_requests is not None and args.max_requests < 1:
         parser.error("--max-requests must be >= 1")
     return args
@@ -119,12 +134,13 @@ def run_trace(label: str, prepared, args, say) -> tuple[list[dict], list[dict]]:
         base: dict[bool, float] = {}
         for nodes in args.nodes:
             plan = plan_for(prepared.unique_blocks, nodes)
-            for pooled in (True, False):
-                r = replay_cluster(prepared, policy, plan, nodes, pooled=pooled)
-                if nodes == 1:
+            for pooled, shards in [(True, n) for n in args.pool_shards] + [(False, 1)]:
+                r = replay_cluster(prepared, policy, plan, nodes, pooled=pooled, pool_shards=shards)
+                if nodes == 1 and shards == 1:
                     base[pooled] = r.hit_rate
-                ratio = r.hit_rate / base[pooled] if base[pooled] else None
+                ratio = r.hit_rate / base[pooled] if base.get(pooled) else None
                 rows.append({"trace": label, "nodes": nodes, "policy": policy, "pooled": pooled,
+                             "pool_shards": shards if pooled else 0,
                              "hit_rate": round(r.hit_rate, 4), "local_share": round(r.local_share, 4),
                              "vs_1_node": None if ratio is None else round(ratio, 3),
                              "seconds": round(r.seconds, 1)})
@@ -139,13 +155,14 @@ def main() -> int:
         return live(args, out)
     paths = {label: (path, kwargs) for label, path, kwargs in shared_traces(1, clock_from(args))}
     if not args.json:
-        print("| trace | nodes | policy | pooled | hit rate | vs 1 node | local share | 1-node two-tier replay |")
+        print("| trace | nodes | policy | pooled | pool shards | hit rate | vs 1 node | local share | 1-node two-tier replay |")
         print("|---|---|---|---|---|---|---|---|")
 
     def say(row: dict, ref: float) -> None:
         if not args.json:
             ratio = "n/a" if row["vs_1_node"] is None else f"{row['vs_1_node']:.3f}x"
-            print(f"| {row['trace']} | {row['nodes']} | {row['policy']} | {row['pooled']} | {row['hit_rate']:.4f} | "
+            print(f"| {row['trace']} | {row['nodes']} | {row['policy']} | {row['pooled']} | {row['pool_shards']} | "
+                  f"{row['hit_rate']:.4f} | "
                   f"{ratio} | {row['local_share']:.3f} | {ref:.4f} |", flush=True)
 
     results, references = [], []
@@ -192,7 +209,7 @@ def live(args, out: JsonOutput) -> int:
         cluster.wait_for_nodes()
         ray_nodes = [ray.get_runtime_context().get_node_id()] + [w.node_id for w in workers]
         for policy in args.policies:
-            r = replay_cluster_live(prepared, policy, plan, ray_nodes, pool_storage="pfs")
+            r = replay_cluster_live(prepared, policy, plan, ray_nodes, pool_storage=args.live_pool)
             lv, sim = r["live"], r["simulated"]
             rows.append({"trace": f"sharegpt[:{args.live_records}]", "nodes": args.live_nodes, "policy": policy,
                          "requests": prepared.requests, "block_refs": prepared.block_refs,
@@ -202,6 +219,7 @@ def live(args, out: JsonOutput) -> int:
                          "simulated_local_share": round(sim["local_share"], 4), "max_abs_diff": r["max_abs_diff"],
                          "wrong_bytes": r["wrong_bytes"], "control_payload_bytes": r["control_payload_bytes"],
                          "pool_payload_bytes": r["pool_payload_bytes"], "pool_calls": r["pool"]["calls"],
+                         "pool_storage": args.live_pool, "pool_reads": r["pool_reads"],
                          "live_seconds": round(lv["seconds"], 1)})
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)

@@ -39,7 +39,7 @@ from typing import Sequence
 
 from .hierarchy import Hierarchy, TierPlan, build_hierarchy
 from .policies.registry import POLICIES
-from .pool import PoolManager
+from .pool import PoolManager, ShardedPool
 from .session_routing import SessionRouter
 from .simulator import PreparedTrace, request_context
 
@@ -86,7 +86,8 @@ def split_capacity(capacity: int, nodes: int, tier: str = "tier") -> list[int]:
 class Cluster:
     """N node hierarchies and an optional shared pool; `serve` is one request on one node."""
 
-    def __init__(self, policy: str, plan: ClusterPlan, nodes: int, pool_policy: str | None = None) -> None:
+    def __init__(self, policy: str, plan: ClusterPlan, nodes: int, pool_policy: str | None = None,
+                 pool_shards: int = 1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: unknown {policy!r}; choose from {', '.join(POLICIES)}")
         if POLICIES[policy].offline:
@@ -97,7 +98,12 @@ class Cluster:
         self.nodes: list[Hierarchy] = [
             build_hierarchy(policy, [TierPlan(t.name, share[i]) for t, share in zip(plan.local, shares)])
             for i in range(nodes)]
-        self.pool = None if plan.pool is None else PoolManager(pool_policy or policy, plan.pool.capacity_blocks)
+        if plan.pool is None:
+            self.pool = None
+        elif pool_shards == 1:
+            self.pool = PoolManager(pool_policy or policy, plan.pool.capacity_blocks)
+        else:  # split by key hash over managers of their own (`ShardedPool`)
+            self.pool = ShardedPool(pool_policy or policy, plan.pool.capacity_blocks, pool_shards)
 
     def serve(self, node: int, blocks: Sequence[int], ctx) -> tuple[int, int]:
         """Serve a request on `node`; returns (prefix blocks found in its local tiers, found in the pool)."""
@@ -123,11 +129,12 @@ class Cluster:
 
 
 def replay_cluster(trace: PreparedTrace, policy: str, plan: ClusterPlan, nodes: int, *, pooled: bool = True,
-                   pool_policy: str | None = None, check_every: int = 0) -> ClusterResult:
-    """Replay `trace` over `nodes` nodes; without `pooled` the plan's pool is split per node as a local tier."""
+                   pool_policy: str | None = None, pool_shards: int = 1, check_every: int = 0) -> ClusterResult:
+    """Replay `trace` over `nodes` nodes; without `pooled` the plan's pool is split per node as a local tier.
+    `pool_shards` > 1: the pool split by key hash over that many managers."""
     if not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be an int >= 1, got {nodes!r}")
-    cluster = Cluster(policy, plan if pooled else plan.flattened(), nodes, pool_policy)
+    cluster = Cluster(policy, plan if pooled else plan.flattened(), nodes, pool_policy, pool_shards)
     router = SessionRouter(nodes)
     served = [0] * nodes
     local_total = pool_total = 0

@@ -24,6 +24,7 @@ class, so for the same requests they make the same decisions.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 from .key_table import MIN_KEYS_SWEPT, KeyTable
@@ -119,3 +120,101 @@ class PoolManager:
         """Let go of the keys of blocks the pool neither stores nor its policy remembers (`KeyTable.sweep`)."""
         stored, policy = self._stored, self.policy
         self._table.sweep(lambda i: i in stored or policy.remembers(i))
+
+
+
+def shard_of(key: Hashable, shards: int) -> int:
+    """The shard of a key, the same in every process: its digest's first 8 bytes, or a multiplicative hash of an
+    int key (the simulator's keys are dense ints, whose `hash` is themselves)."""
+    if isinstance(key, (bytes, bytearray)):
+        return int.from_bytes(key[:8], "little") % shards
+    return (((int(key) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 32) % shards
+
+
+class ShardedPool:
+    """The pool split by key hash over `shards` managers, each with its share of the capacity and a policy of its
+    own: `shards` times one manager's decisions per second, at a price in hit rate (`cluster_sim
+    --pool-shards`): each shard's policy sees only its blocks of a request, so a request's prefix is scattered
+    over policies that rank it apart. Answers as one `PoolManager` does."""
+
+    def __init__(self, policy: str, capacity: int, shards: int, policy_options: dict | None = None,
+                 keys_swept_from: int = MIN_KEYS_SWEPT) -> None:
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an int >= 1, got {shards!r}")
+        caps = [capacity // shards + (1 if i < capacity % shards else 0) for i in range(shards)]
+        self.shards = [PoolManager(policy, c, policy_options, keys_swept_from) for c in caps]
+        self.policy_name = policy
+
+    @property
+    def capacity(self) -> int:
+        return sum(m.capacity for m in self.shards)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for m in self.shards:
+            for name, n in m.counters.items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self.shards)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.shards[shard_of(key, len(self.shards))]
+
+    def _split(self, keys: Sequence[Hashable]) -> dict[int, list[int]]:
+        """Positions of `keys` per shard, in request order."""
+        n, groups = len(self.shards), {}
+        for pos, key in enumerate(keys):
+            groups.setdefault(shard_of(key, n), []).append(pos)
+        return groups
+
+    def lookup(self, keys: Sequence[Hashable]) -> list[str | None]:
+        out: list[str | None] = [None] * len(keys)
+        for s, positions in self._split(keys).items():
+            for pos, at in zip(positions, self.shards[s].lookup([keys[p] for p in positions])):
+                out[pos] = at
+        return out
+
+    def access(self, keys: Sequence[Hashable], ctx: RequestContext, at: str = "pool") -> PoolAnswer:
+        """Each shard is told its blocks of the request (with their types), in the request's order."""
+        written: list[tuple[int, Hashable]] = []
+        delete: dict[str, list] = {}
+        types = ctx.block_types
+        for s, positions in self._split(keys).items():
+            sub = replace(ctx, block_types=[types[p] for p in positions] if types else (),
+                          next_use=None if ctx.next_use is None else [ctx.next_use[p] for p in positions])
+            part = [keys[p] for p in positions]
+            answer = self.shards[s].access(part, sub, at)
+            first = {}
+            for p, k in zip(positions, part):
+                first.setdefault(k, p)
+            written += [(first[k], k) for k in answer.write]
+            for where, gone in answer.delete.items():
+                delete.setdefault(where, []).extend(gone)
+        written.sort(key=lambda pk: pk[0])
+        return PoolAnswer([k for _, k in written], delete)
+
+    def forget(self, keys: Iterable[Hashable]) -> int:
+        keys = list(keys)
+        return sum(self.shards[s].forget([keys[p] for p in positions]) for s, positions in self._split(keys).items())
+
+    def lost(self, location: str) -> int:
+        return sum(m.lost(location) for m in self.shards)
+
+    def resident(self) -> list[Hashable]:
+        return [k for m in self.shards for k in m.resident()]
+
+    def locations(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.shards:
+            for at, n in m.locations().items():
+                out[at] = out.get(at, 0) + n
+        return out
+
+    def check_integrity(self) -> None:
+        n = len(self.shards)
+        for s, m in enumerate(self.shards):
+            m.check_integrity()
+            assert all(shard_of(k, n) == s for k in m.resident()), "a shard holds only its own keys"

@@ -102,3 +102,20 @@ def test_bad_input_names_the_field(args, field):
 def test_nodes_must_be_a_positive_int():
     with pytest.raises(ValueError, match="nodes"):
         replay_cluster(prepared([("a", [1])]), "lru", plan(4, 4), 0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(requests, st.integers(1, 3), st.integers(2, 5), st.sampled_from(["lru", "bayes"]))
+def test_a_pool_split_by_key_hash_keeps_its_capacity_and_one_shard_is_one_pool(reqs, nodes, shards, policy):
+    """`pool_shards=1` is the one manager, hit for hit; split, every shard stays within its share (checked after
+    every request)."""
+    trace = prepared(reqs)
+
+    def hits(result) -> tuple:
+        return result.local_hits, result.pool_hits, result.requests_per_node_max
+
+    one = replay_cluster(trace, policy, plan(nodes, 8), nodes)
+    assert hits(replay_cluster(trace, policy, plan(nodes, 8), nodes, pool_shards=1)) == hits(one)
+    split = replay_cluster(trace, policy, plan(nodes, 8), nodes, pool_shards=shards, check_every=1)
+    assert split.block_refs == one.block_refs
+    assert split.local_hits + split.pool_hits <= split.block_refs

@@ -55,3 +55,37 @@ def test_the_pool_stores_exactly_what_its_policy_holds_under_key_sweeps(reqs, ca
         held = (held - set(gone)) | set(write)
         assert held == {f"k{b}" for b in alone.resident()} == set(pool.resident())
         pool.check_integrity()
+
+
+def test_a_pool_of_one_shard_decides_as_one_manager() -> None:
+    from kvcluster.pool import ShardedPool
+
+    one, sharded = PoolManager("lru", 5), ShardedPool("lru", 5, 1)
+    for i, keys in enumerate([[1, 2, 3], [2, 4], [5, 6, 7, 1], [8]]):
+        assert sharded.access(keys, ctx(i), at=f"n{i % 2}") == one.access(keys, ctx(i), at=f"n{i % 2}")
+        assert sharded.lookup(list(range(10))) == one.lookup(list(range(10)))
+    sharded.check_integrity()
+
+
+@settings(max_examples=50, deadline=None)
+@given(requests, st.integers(1, 6))
+def test_a_sharded_pool_keeps_each_key_in_its_shard_within_its_share(reqs, shards) -> None:
+    """Every key lives in its own shard, each shard within its share of the capacity, what a request writes
+    comes in its order, and the pool stores exactly what its answers wrote and did not delete since."""
+    from kvcluster.pool import ShardedPool, shard_of
+
+    pool = ShardedPool("lru", 12, shards)
+    assert pool.capacity == 12 and sorted(m.capacity for m in pool.shards)[-1] - sorted(
+        m.capacity for m in pool.shards)[0] <= 1
+    stored: set = set()
+    for i, keys in enumerate(reqs):
+        write, delete = pool.access(keys, ctx(i), at="n0")
+        order = [keys.index(k) for k in write]
+        assert order == sorted(order)
+        for gone in delete.values():
+            stored -= set(gone)
+        stored |= set(write)
+        assert set(pool.resident()) == stored and len(pool) <= 12
+        pool.check_integrity()
+    for s, m in enumerate(pool.shards):
+        assert all(shard_of(k, shards) == s for k in m.resident()) and len(m) <= m.capacity
