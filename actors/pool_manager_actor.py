@@ -8,17 +8,24 @@ shared filesystem, a peer's lent DRAM) and from there to the node that reads
 them; `stats()` counts any payload that reached this actor as an argument
 (`payload_bytes`, 0 by design, as for the node controllers).
 
-Its state is the policy's: a restart would start an empty pool (nothing served
-from files it no longer counts; they are overwritten or left as orphans), so
-it is not restarted.
+Its state is the policy's. It is restarted when its process dies: with a
+file pool (`files`: the shared directory and its location) it adopts what the
+directory holds (`PoolManager.adopt`), so the pool keeps serving it, and deletes
+what no longer fits. Lent DRAM is not listed: a restarted manager over it starts
+empty, and the shares' old blocks are never served (they are overwritten as the
+shares fill). Calls in flight when it died fail; the callers' reads of them are
+misses.
 """
 
 from __future__ import annotations
+
+import os
 
 import ray
 
 from kvcluster.policies.base import RequestContext
 from kvcluster.pool import PoolManager
+from kvcluster.storage import PFSBackend
 
 from .index_actor import NAMESPACE
 from .node_control_actor import payload_bytes
@@ -31,12 +38,21 @@ def pool_manager_handle(namespace: str = NAMESPACE):
     return ray.get_actor(POOL_MANAGER_NAME, namespace=namespace)
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class PoolManagerActor:
-    def __init__(self, policy: str, capacity: int, policy_options: dict | None = None) -> None:
+    def __init__(self, policy: str, capacity: int, policy_options: dict | None = None,
+                 files: tuple[str, str] | None = None) -> None:
+        """`files`: (directory, location) of a file pool, adopted when the manager starts."""
         self.pool = PoolManager(policy, capacity, policy_options)
         self.payload_bytes = 0
         self.calls = 0
+        self.adopted = 0
+        if files is not None:
+            directory, location = files
+            storage = PFSBackend(directory, 1 << 62)  # listed and trimmed only: the manager bounds what it holds
+            keys = storage.keys()
+            storage.delete(self.pool.adopt(keys, location))
+            self.adopted = len(self.pool)
 
     def _guard(self, *args) -> None:
         self.calls += 1
@@ -72,7 +88,12 @@ class PoolManagerActor:
         self._guard(location)
         return self.pool.lost(location)
 
+    def pid(self) -> int:
+        """This process's id (what a test kills to see the manager restart)."""
+        return os.getpid()
+
     def stats(self) -> dict:
         return {"policy": self.pool.policy_name, "capacity_blocks": self.pool.capacity, "blocks": len(self.pool),
+                "adopted": self.adopted,
                 "locations": self.pool.locations(), "calls": self.calls, "payload_bytes": self.payload_bytes,
                 **self.pool.counters}

@@ -82,6 +82,22 @@ class PoolManager:
         self._sweep()
         return PoolAnswer(write, delete)
 
+    def adopt(self, keys: Sequence[Hashable], at: str) -> list[Hashable]:
+        """Blocks the storage at `at` holds when this manager starts (a restart of its process): taken into the
+        policy as one request, so the pool counts and serves them again. Returns those it has no room for,
+        which the caller deletes there. Nothing to adopt leaves the policy untouched (a request, even an empty
+        one, is part of what it learns from)."""
+        if not keys:
+            return []
+        ids = self._table.intern(keys)
+        self.policy.access(ids, RequestContext(0, 0.0))
+        kept = self.policy
+        for i in ids:
+            if i in kept:
+                self._stored[i] = at
+        names = self._table.keys
+        return [names[i] for i in dict.fromkeys(ids) if i not in kept]
+
     def forget(self, keys: Iterable[Hashable]) -> int:
         """Blocks the storage does not hold after all (a write refused, a read missing or corrupt): they leave
         the pool. Returns how many it held."""

@@ -72,6 +72,46 @@ def test_four_nodes_with_a_shared_file_pool_hit_what_the_simulator_replays(clust
     assert out["pool"]["blocks"] <= plan_of(trace).pool.capacity_blocks
 
 
+def test_a_restarted_pool_manager_adopts_the_shared_directory_and_trims_what_does_not_fit(cluster, tmp_path) -> None:
+    """The manager's process dies; Ray restarts it, and it takes back what the pool's directory holds: the
+    blocks it had placed are found and read again; a file beyond its capacity is deleted."""
+    from kvcluster.actors.live_cluster_replay import SharedFilePool
+    from kvcluster.storage import PFSBackend
+
+    _, ray_nodes, _ = cluster
+    names_free(POOL_MANAGER_NAME)
+    head = NodeAffinitySchedulingStrategy(ray_nodes[0], soft=False)
+    storage = SharedFilePool(tmp_path / "pool", 4, 512)
+    manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE, scheduling_strategy=head).remote(
+        "lru", 4, None, (str(storage.root), "pfs"))
+    keys = [block_key(b) for b in range(4)]
+    where, write, delete = ray.get(manager.lookup_access.remote(keys, RequestContext(0, 0.0), "pfs"), timeout=300)
+    assert where == [None] * 4 and write == keys and not delete
+    assert storage.write("pfs", write, [block_payload(k, 512) for k in write], delete) == ([], [])
+    orphan = block_key(99)  # a file the manager never placed (a writer that crashed before telling it)
+    assert PFSBackend(storage.root, 1 << 30).put_many([(orphan, block_payload(orphan, 512))]) == [True]
+
+    pid = ray.get(manager.pid.remote())
+    os.kill(pid, 9)  # the process dies; the actor is restarted
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            stats = ray.get(manager.stats.remote(), timeout=60)
+            if ray.get(manager.pid.remote(), timeout=60) != pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # restarting
+        assert time.monotonic() < deadline, "the pool manager did not come back"
+        time.sleep(0.2)
+    assert stats["adopted"] == 4 and stats["blocks"] == 4 and stats["calls"] == 0
+    assert len(storage.backend.keys()) == 4  # one of the five files deleted: no room for it
+    held = [k for k in keys + [orphan] if ray.get(manager.lookup.remote([k]))[0] == "pfs"]
+    assert len(held) == 4 and sorted(held) == sorted(storage.backend.keys())
+    got, dead = storage.read({"pfs": held})
+    assert not dead and all(np.array_equal(got[k], block_payload(k, 512)) for k in held)
+    ray.kill(manager, no_restart=True)
+
+
 def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster) -> None:
     """Blocks written through by node 3 live in the DRAM node 3 lent; node 3 dies: a reader finds its share
     gone, the manager forgets what it held (lookups no longer return it), the rest still reads right."""

@@ -89,3 +89,19 @@ def test_a_sharded_pool_keeps_each_key_in_its_shard_within_its_share(reqs, shard
         pool.check_integrity()
     for s, m in enumerate(pool.shards):
         assert all(shard_of(k, shards) == s for k in m.resident()) and len(m) <= m.capacity
+
+
+def test_a_restarted_manager_adopts_what_the_storage_holds_and_names_what_it_cannot_keep() -> None:
+    pool = PoolManager("lru", 3)
+    assert pool.adopt(["a", "b", "c", "d", "b"], "pfs") == ["a"]  # 4 blocks for 3 places: the oldest goes
+    assert pool.lookup(["a", "b", "c", "d"]) == [None, "pfs", "pfs", "pfs"]
+    pool.check_integrity()
+    write, delete = pool.access(["e"], ctx(1), at="pfs")
+    assert write == ["e"] and delete == {"pfs": ["c"]}  # adopted blocks are the policy's like any other
+
+
+def test_adopting_nothing_leaves_the_policy_as_it_was() -> None:
+    fresh, adopted = PoolManager("bayes", 4), PoolManager("bayes", 4)
+    assert adopted.adopt([], "pfs") == []
+    for i, keys in enumerate([[1, 2, 3], [1, 2, 4, 5], [6, 1], [7, 8, 9, 2]]):
+        assert adopted.access(keys, ctx(i), at="pfs") == fresh.access(keys, ctx(i), at="pfs")
