@@ -71,6 +71,17 @@ def _csv(parser: argparse.ArgumentParser, flag: str, text: str, known: tuple | N
     return items
 
 
+def _counts(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """Comma-separated integers >= 1 (a CLI error naming the flag otherwise)."""
+    try:
+        counts = [int(x) for x in _csv(parser, flag, text)]
+    except ValueError:
+        parser.error(f"{flag}: integers, comma-separated")
+    if any(n < 1 for n in counts):
+        parser.error(f"{flag}: every count must be >= 1")
+    return counts
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the report, as one JSON document, on stdout")
@@ -93,20 +104,10 @@ def parse_args() -> argparse.Namespace:
     args.traces = _csv(parser, "--traces", args.traces, TRACES)
     online = tuple(name for name, cls in POLICIES.items() if not cls.offline)
     args.policies = _csv(parser, "--policies", args.policies, online)
-    try:
-        args.nodes = [int(x) for x in _csv(parser, "--nodes", args.nodes)]
-    except ValueError:
-        parser.error("--nodes: integers, comma-separated")
-    if any(n < 1 for n in args.nodes):
-        parser.error("--nodes: every count must be >= 1")
+    args.nodes = _counts(parser, "--nodes", args.nodes)
     if 1 not in args.nodes:
         args.nodes.insert(0, 1)  # the reference of vs_1_node
-    try:
-        args.pool_shards = [int(x) for x in _csv(parser, "--pool-shards", args.pool_shards)]
-    except ValueError:
-        parser.error("--pool-shards: integers, comma-separated")
-    if any(n < 1 for n in args.pool_shards):
-        parser.error("--pool-shards: every count must be >= 1")
+    args.pool_shards = _counts(parser, "--pool-shards", args.pool_shards)
     if args.max_requests is not None and args.max_requests < 1:
         parser.error("--max-requests must be >= 1")
     return args
