@@ -259,7 +259,7 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
             "wrong_bytes": driver.wrong_bytes, "control_payload_bytes": control_payload,
             "pool_payload_bytes": pool_stats["payload_bytes"], "pool": pool_stats,
             "pool_reads": dict(getattr(storage, "counters", {})),
-            "misses_on_read": driver.missing, "live": live.to_dict(), "simulated": simulated.to_dict(),
+            "misses_on_read": driver.missing, "pool_unavailable": driver.pool_unavailable, "live": live.to_dict(), "simulated": simulated.to_dict(),
             "max_abs_diff": max(abs(live.hit_rate - simulated.hit_rate),
                                 abs(live.local_share - simulated.local_share))}
 
@@ -274,6 +274,7 @@ class _Driver:
         self.tiers: dict[str, object] = {}
         self.wrong_bytes = 0
         self.missing = 0  # blocks the bookkeeping placed somewhere that did not come back (misses from there)
+        self.pool_unavailable = 0  # requests served without the pool: its manager died with their call
 
     def run(self, trace: PreparedTrace, policy: str, progress: Callable[[int], None] | None) -> ClusterResult:
         router = SessionRouter(len(self.names))
@@ -300,7 +301,12 @@ class _Driver:
         at = self.storage.location(self.names[node])
         local_ref = self.controls[node].locate.remote(keys)
         pool_ref = self.manager.lookup_access.remote(keys, ctx, at)
-        local, (where, write, delete) = ray.get([local_ref, pool_ref], timeout=TIMEOUT_S)
+        local = ray.get(local_ref, timeout=TIMEOUT_S)
+        try:
+            where, write, delete = ray.get(pool_ref, timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:  # the manager died with the call: the pool is a miss this request
+            where, write, delete = [None] * len(keys), [], {}
+            self.pool_unavailable += 1
         run = []
         for j, (here, there) in enumerate(zip(local, where)):
             if here is None and there is None:
@@ -312,9 +318,9 @@ class _Driver:
                                  ctx)
         failed, dead = self.storage.write(at, write, [self.payload(k, have) for k in write], delete)
         for location in dead:
-            ray.get(self.manager.lost.remote(location), timeout=TIMEOUT_S)
+            self._tell_manager("lost", location)
         if failed:
-            ray.get(self.manager.forget.remote(failed), timeout=TIMEOUT_S)
+            self._tell_manager("forget", failed)
         return local_hits, pool_hits
 
     def read(self, node: int, keys: list[bytes], run: list[int], local: list, where: list
@@ -331,7 +337,7 @@ class _Driver:
         refs = {name: self._tier(name).get_many.remote(ks) for name, ks in from_tiers.items()}
         got, dead = self.storage.read(from_pool) if from_pool else ({}, [])
         for location in dead:  # a node gone with its share: the pool forgets everything it held there
-            ray.get(self.manager.lost.remote(location), timeout=TIMEOUT_S)
+            self._tell_manager("lost", location)
         for name, ref in refs.items():
             got.update(zip(from_tiers[name], ray.get(ref, timeout=TIMEOUT_S)))
         have: dict[bytes, np.ndarray] = {}
@@ -344,7 +350,7 @@ class _Driver:
                     ray.get(self.controls[node].forget.remote([key]), timeout=TIMEOUT_S)
                     local[j] = None
                 elif where[j] not in dead:
-                    ray.get(self.manager.forget.remote([key]), timeout=TIMEOUT_S)
+                    self._tell_manager("forget", [key])
                 break
             expected = block_payload(key, self.block_bytes)
             if not np.array_equal(data, expected):
@@ -354,6 +360,14 @@ class _Driver:
             have[key] = data
             counts[local[j] is None] += 1
         return have, counts[0], counts[1]
+
+    def _tell_manager(self, method: str, arg) -> None:
+        """A loss or a failed block, told to the pool's manager. One that died meanwhile needs no telling: it
+        restarts from what the pool's directory holds (or empty, over lent DRAM)."""
+        try:
+            ray.get(getattr(self.manager, method).remote(arg), timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            self.pool_unavailable += 1
 
     def payload(self, key: bytes, have: dict[bytes, np.ndarray]) -> np.ndarray:
         """A block's bytes on the node: read this request, else computed (derived from its key)."""

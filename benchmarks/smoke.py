@@ -163,7 +163,10 @@ def stop(proc: subprocess.Popen, grace_s: float | None = None) -> None:
     server can stop its own workers, then SIGKILL for whatever is left."""
     grace_s = STOP_GRACE_S if grace_s is None else grace_s
     tree = descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # it ended meanwhile; what it started may not have
+        pass
     kill(tree, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)

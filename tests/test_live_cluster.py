@@ -63,7 +63,7 @@ def test_four_nodes_with_a_shared_file_pool_hit_what_the_simulator_replays(clust
     _, ray_nodes, _ = cluster
     out = replay_cluster_live(trace, "bayes", plan_of(trace), ray_nodes, pool_storage="pfs")
     live, simulated = out["live"], out["simulated"]
-    assert out["wrong_bytes"] == 0 and out["misses_on_read"] == 0
+    assert out["wrong_bytes"] == 0 and out["misses_on_read"] == 0 and out["pool_unavailable"] == 0
     assert out["control_payload_bytes"] == 0 and out["pool_payload_bytes"] == 0  # bytes never went through control
     assert (live["local_hits"], live["pool_hits"]) == (simulated["local_hits"], simulated["pool_hits"])
     assert live["local_hits"] > 0 and live["pool_hits"] > 0

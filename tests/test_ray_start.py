@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -57,8 +58,10 @@ def test_other_errors_and_a_start_that_keeps_missing_are_raised() -> None:
 def test_descendants_sees_grandchildren() -> None:
     shell = subprocess.Popen(["bash", "-c", "sleep 600 & wait"])
     try:
-        while not descendants(shell.pid):
-            pass  # until bash has started its sleep
+        deadline = time.monotonic() + 120
+        while not descendants(shell.pid):  # until bash has started its sleep
+            assert time.monotonic() < deadline, "bash did not start its child"
+            time.sleep(0.01)
         assert shell.pid in descendants()
         (sleep,) = descendants(shell.pid)
         assert sleep in descendants()
