@@ -18,7 +18,11 @@ after it to one node, where a second continuation is a branch that the load may
 place anywhere.
 
 Nodes may come and go (`join`, `leave`: a Serve deployment's replicas do): a
-session whose node left is placed again, as a new one, on its next request.
+session whose node left is placed again, as a new one, on its next request. A
+node that joins takes the lowest index a departed node left free (its sessions
+and tails forgotten first, so none of them follows the index to the newcomer),
+so a deployment that replaces its replicas all day keeps as many slots as it
+ever ran at once.
 
 Pure logic, no clock of its own: the caller passes each request's arrival time.
 """
@@ -73,7 +77,16 @@ class SessionRouter:
         return node
 
     def join(self) -> int:
-        """A node added: its index, the next one; new sessions may be placed there at once."""
+        """A node added: its index (the lowest a departed node left free, else the next one); new sessions may
+        be placed there at once. Reusing an index scans the remembered sessions once: joins are rare."""
+        if self._gone:
+            node = min(self._gone)
+            self._gone.discard(node)
+            for remembered in (self._home, self._tails):
+                for key in [k for k, n in remembered.items() if n == node]:
+                    del remembered[key]
+            self._placed[node] = 0
+            return node
         self._recent.append(deque())
         self._recent_blocks.append(0)
         self._placed.append(0)
@@ -85,6 +98,8 @@ class SessionRouter:
         if not 0 <= node < self.nodes:
             raise ValueError(f"node must be one of 0..{self.nodes - 1}, got {node!r}")
         self._gone.add(node)
+        self._recent[node].clear()
+        self._recent_blocks[node] = 0
 
     @property
     def live(self) -> list[int]:

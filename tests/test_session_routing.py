@@ -105,3 +105,26 @@ def test_a_sessionless_continuation_of_a_node_that_left_is_placed_again():
     assert router.route("", [5], 0.0) == 1
     router.leave(0)
     assert router.route("", [1, 2, 3], 1.0) == 1
+
+
+def test_a_joining_node_reuses_a_departed_ones_index_without_its_sessions():
+    router = SessionRouter(2)
+    assert [router.route(s, [1, 2], 0.0) for s in "ab"] == [0, 1]
+    assert router.route("", [7, 8], 0.0) == 0  # a sessionless tail on node 0 too
+    router.leave(0)
+    assert router.join() == 0 and router.nodes == 2 and router.live == [0, 1]
+    assert router.load(0) == (0, 0, 0)  # the newcomer starts unloaded
+    assert router.sessions_known == 1  # "a" was node 0's: forgotten, not handed to the newcomer
+    assert router.route("c", [1], 1.0) == 0  # the least loaded
+    assert router.load(0) == (1, 1, 0)
+    assert router.route("", [7, 8, 9], 1.0) == 0 and router.load(0) == (4, 2, 0)  # its tail forgotten: placed anew
+
+
+def test_replicas_replaced_all_day_keep_as_many_slots_as_ran_at_once():
+    router = SessionRouter(3)
+    for step in range(1000):
+        gone = step % 3
+        router.leave(gone)
+        assert router.join() == gone
+        router.route(f"s{step}", [step], float(step))
+    assert router.nodes == 3 and router.live == [0, 1, 2]
