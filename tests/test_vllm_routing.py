@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcluster.serve_apps.vllm_router import ReplicaSessions, rank_for
+from kvcluster.serve_apps.vllm_router import DIRECTORY_NAME, ReplicaSessions, rank_for
 
 BLOCK = 4
 SYSTEM = [7] * (2 * BLOCK)  # a system prompt every conversation starts with
@@ -63,3 +63,46 @@ def test_the_chosen_replica_first_while_it_has_room() -> None:
     assert rank_for(replicas, "b", {"a", "b", "c"}) == [[replicas[1]], [replicas[0], replicas[2]]]
     assert rank_for(replicas, "b", {"a", "c"}) == [replicas]  # full: Serve's shortest queue
     assert rank_for(replicas[:1], "a", {"a"}) == [[replicas[0]]]
+
+
+def test_every_ingress_replica_sends_a_session_to_the_same_replica(endpoint) -> None:
+    """Two front replicas (as a scaled-out ingress) call two engine-like replicas through the router: each
+    session lands on one replica whichever front took its turn, and the sessions spread over both."""
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvcluster.serve_apps.vllm_router import SessionAffinityRouter
+
+    @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0}, request_router_config=RequestRouterConfig(
+        request_router_class=SessionAffinityRouter, request_router_kwargs={"block_tokens": BLOCK}))
+    class Engine:
+        async def generate(self, job: dict) -> str:
+            return serve.get_replica_context().replica_id.unique_id
+
+    @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
+    class Front:
+        def __init__(self, engine) -> None:
+            self.engine = engine
+
+        async def __call__(self, job: dict) -> tuple[str, str]:
+            return serve.get_replica_context().replica_id.unique_id, await self.engine.generate.remote(job)
+
+    front = serve.run(Front.bind(Engine.bind()), name="routing-check", route_prefix=None)
+    try:
+        # an odd number of sessions of unequal lengths: a session's turns reach both fronts, loads differ
+        turns = [(s, t) for t in range(1, 5) for s in range(7)]
+        served = [front.remote({"session": f"t/s{s}", "prompt_ids": prompt(t + s % 4, s)}).result(timeout_s=120)
+                  for s, t in turns]
+        fronts: dict[int, set] = {}
+        homes: dict[int, set] = {}
+        for (s, _), (front_id, engine) in zip(turns, served):
+            fronts.setdefault(s, set()).add(front_id)
+            homes.setdefault(s, set()).add(engine)
+        assert sum(len(f) == 2 for f in fronts.values()) >= 3, f"too few sessions reached both fronts: {fronts}"
+        assert all(len(h) == 1 for h in homes.values()), homes  # one replica per session, whichever front asked
+        assert len(set().union(*homes.values())) == 2  # and the sessions spread over both
+        directory = ray.get_actor(DIRECTORY_NAME, namespace="serve::routing-check::Engine")
+        assert ray.get(directory.sessions_known.remote()) == 7
+    finally:
+        serve.delete("routing-check")
