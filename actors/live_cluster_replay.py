@@ -238,9 +238,11 @@ def replay_cluster_live(trace: PreparedTrace, policy: str, plan: ClusterPlan, ra
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         ).remote(name, chains[name], policy, None, block_bytes, 0) for name, node_id in zip(names, ray_nodes)]
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        files = (str(storage.root), "pfs") if pool_storage == "pfs" else None  # adopted if it restarts
+        files = (str(storage.root), "pfs") if pool_storage == "pfs" else None  # what it adopts if it restarts
+        shares = list(storage.shares) if pool_storage == "dram" else None
         manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE, scheduling_strategy=here
-                                           ).remote(pool_policy or policy, plan.pool.capacity_blocks, None, files)  # not on a node that may go
+                                           ).remote(pool_policy or policy, plan.pool.capacity_blocks, None, files,
+                                                    shares)  # on this node: not on one that may go
         started += controls + [manager]
         ray.get([c.stats.remote() for c in controls] + [manager.stats.remote()], timeout=TIMEOUT_S)
         driver = _Driver(names, controls, manager, storage, block_bytes)

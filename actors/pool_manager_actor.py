@@ -8,13 +8,14 @@ shared filesystem, a peer's lent DRAM) and from there to the node that reads
 them; `stats()` counts any payload that reached this actor as an argument
 (`payload_bytes`, 0 by design, as for the node controllers).
 
-Its state is the policy's. It is restarted when its process dies: with a
-file pool (`files`: the shared directory and its location) it adopts what the
-directory holds (`PoolManager.adopt`), so the pool keeps serving it, and deletes
-what no longer fits. Lent DRAM is not listed: a restarted manager over it starts
-empty, and the shares' old blocks are never served (they are overwritten as the
-shares fill). Calls in flight when it died fail; the callers' reads of them are
-misses.
+Its state is the policy's. It is restarted when its process dies, and takes
+back what the pool's storage holds (`PoolManager.adopt`), so the pool keeps
+serving it, deleting what no longer fits: a file pool's directory (`files`), or
+each lent-DRAM share (`shares`: the shares' actor names, which are their
+locations), asked for its keys all at once. A share that does not answer in
+time (its node gone or going) is left out: its blocks are never served, and a
+reader that finds it dead has the manager forget it as before. Calls in flight
+when the manager died fail; the callers' reads of them are misses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvcluster.policies.base import RequestContext
 from kvcluster.pool import PoolManager
@@ -31,6 +33,7 @@ from .index_actor import NAMESPACE
 from .node_control_actor import payload_bytes
 
 POOL_MANAGER_NAME = "kvcluster/pool"
+SHARE_ANSWER_S = 30.0  # how long a restarting manager waits for the lent shares to list their blocks
 
 
 def pool_manager_handle(namespace: str = NAMESPACE):
@@ -41,18 +44,38 @@ def pool_manager_handle(namespace: str = NAMESPACE):
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class PoolManagerActor:
     def __init__(self, policy: str, capacity: int, policy_options: dict | None = None,
-                 files: tuple[str, str] | None = None) -> None:
-        """`files`: (directory, location) of a file pool, adopted when the manager starts."""
+                 files: tuple[str, str] | None = None, shares: list[str] | None = None) -> None:
+        """`files`: (directory, location) of a file pool; `shares`: the actor names of the lent-DRAM shares
+        (each its location). Either is adopted when the manager starts."""
         self.pool = PoolManager(policy, capacity, policy_options)
         self.payload_bytes = 0
         self.calls = 0
-        self.adopted = 0
         if files is not None:
             directory, location = files
             storage = PFSBackend(directory, 1 << 62)  # listed and trimmed only: the manager bounds what it holds
-            keys = storage.keys()
-            storage.delete(self.pool.adopt(keys, location))
-            self.adopted = len(self.pool)
+            storage.delete(self.pool.adopt(storage.keys(), location))
+        if shares:
+            self._adopt_shares(shares)
+        self.adopted = len(self.pool)
+
+    def _adopt_shares(self, names: list[str]) -> None:
+        """Each share's blocks, one listing call per share in flight together; a share that is gone, not
+        started yet, or silent past SHARE_ANSWER_S adopts nothing."""
+        listed = {}
+        for name in names:
+            try:
+                share = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                continue
+            listed[name] = (share, share.held_keys.remote())
+        for name, (share, ref) in listed.items():
+            try:
+                keys = ray.get(ref, timeout=SHARE_ANSWER_S)
+            except (RayActorError, GetTimeoutError):
+                continue
+            extra = self.pool.adopt(keys, name)
+            if extra:
+                share.delete.remote(extra)  # no answer awaited: what is not adopted is never served
 
     def _guard(self, *args) -> None:
         self.calls += 1

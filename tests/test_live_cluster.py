@@ -72,6 +72,21 @@ def test_four_nodes_with_a_shared_file_pool_hit_what_the_simulator_replays(clust
     assert out["pool"]["blocks"] <= plan_of(trace).pool.capacity_blocks
 
 
+def restarted(manager) -> dict:
+    """Kill the manager's process and wait for Ray to restart it; its stats once it answers from a new process."""
+    pid = ray.get(manager.pid.remote(), timeout=300)
+    os.kill(pid, 9)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if ray.get(manager.pid.remote(), timeout=60) != pid:
+                return ray.get(manager.stats.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # restarting
+        assert time.monotonic() < deadline, "the pool manager did not come back"
+        time.sleep(0.2)
+
+
 def test_a_restarted_pool_manager_adopts_the_shared_directory_and_trims_what_does_not_fit(cluster, tmp_path) -> None:
     """The manager's process dies; Ray restarts it, and it takes back what the pool's directory holds: the
     blocks it had placed are found and read again; a file beyond its capacity is deleted."""
@@ -91,18 +106,7 @@ def test_a_restarted_pool_manager_adopts_the_shared_directory_and_trims_what_doe
     orphan = block_key(99)  # a file the manager never placed (a writer that crashed before telling it)
     assert PFSBackend(storage.root, 1 << 30).put_many([(orphan, block_payload(orphan, 512))]) == [True]
 
-    pid = ray.get(manager.pid.remote())
-    os.kill(pid, 9)  # the process dies; the actor is restarted
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            stats = ray.get(manager.stats.remote(), timeout=60)
-            if ray.get(manager.pid.remote(), timeout=60) != pid:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # restarting
-        assert time.monotonic() < deadline, "the pool manager did not come back"
-        time.sleep(0.2)
+    stats = restarted(manager)
     assert stats["adopted"] == 4 and stats["blocks"] == 4 and stats["calls"] == 0
     assert len(storage.backend.keys()) == 4  # one of the five files deleted: no room for it
     held = [k for k in keys + [orphan] if ray.get(manager.lookup.remote([k]))[0] == "pfs"]
@@ -113,8 +117,9 @@ def test_a_restarted_pool_manager_adopts_the_shared_directory_and_trims_what_doe
 
 
 def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster) -> None:
-    """Blocks written through by node 3 live in the DRAM node 3 lent; node 3 dies: a reader finds its share
-    gone, the manager forgets what it held (lookups no longer return it), the rest still reads right."""
+    """Blocks written through by nodes 0 and 3 live in the DRAM each lent. The manager's process dies: restarted,
+    it takes back what each share holds. Then node 3 dies: a reader finds its share gone, the manager forgets
+    what it held (lookups no longer return it), the rest still reads right."""
     c, ray_nodes, workers = cluster
     names_free(INDEX_NAME, POOL_MANAGER_NAME, LentDramPool.share_name("node0"), LentDramPool.share_name("node3"))
     head = NodeAffinitySchedulingStrategy(ray_nodes[0], soft=False)  # the global actors live on the head, which stays
@@ -123,7 +128,7 @@ def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster)
     storage = LentDramPool()
     shares = storage.start(names, ray_nodes, 16, 512)
     manager = PoolManagerActor.options(name=POOL_MANAGER_NAME, namespace=NAMESPACE, scheduling_strategy=head).remote(
-        "lru", 16)
+        "lru", 16, None, None, list(storage.shares))
     ray.get([s.describe.remote() for s in shares], timeout=300)
     mine, theirs = [block_key(b) for b in range(4)], [block_key(b) for b in range(10, 14)]
     for i, (keys, node) in enumerate(((mine, "node0"), (theirs, "node3"))):
@@ -135,6 +140,11 @@ def test_a_dead_nodes_share_of_a_lent_dram_pool_is_forgotten_not_served(cluster)
     got, dead = storage.read({storage.location("node3"): theirs})
     assert not dead and all(np.array_equal(got[k], block_payload(k, 512)) for k in theirs)
     assert storage.counters == {"nixl_blocks": 4, "actor_blocks": 0}  # read over NIXL, not through the actor
+
+    stats = restarted(manager)
+    assert stats["adopted"] == 8 and stats["calls"] == 0  # both shares listed, nothing asked of it yet
+    assert ray.get(manager.lookup.remote(mine + theirs)) == [storage.location("node0")] * 4 + [
+        storage.location("node3")] * 4
 
     c.remove_node(workers[-1])  # node 3, its lent DRAM with it
     deadline = time.monotonic() + 300
