@@ -121,6 +121,20 @@ def busy(actor, seconds: float):
     return t0, time.time(), threading.get_ident()
 
 
+def answering(actors) -> None:
+    """Wait until every actor answers: one restarting refuses calls (ActorUnavailableError) until it is back."""
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    for actor in actors:
+        while True:
+            try:
+                ray.get(actor.describe.remote(), timeout=CALL_TIMEOUT_S)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
 def where(actor):
     return time.time(), threading.get_ident()
 
@@ -214,7 +228,7 @@ def coexist(args, root: str, here: str) -> dict:
     t0 = time.perf_counter()
     move.teardown()
     teardown_s = time.perf_counter() - t0
-    ray.get([a.describe.remote() for a in actors], timeout=CALL_TIMEOUT_S)
+    answering(actors)
     for a in actors:  # start again from a known place: everything in dram
         ray.get(a.delete.remote(list(keys)), timeout=CALL_TIMEOUT_S)
     ray.get(actors[0].put_many.remote(keys, [payload[k] for k in keys]), timeout=CALL_TIMEOUT_S)
