@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 import ray
-import torch
 
 from kvcluster.cache_manager import CacheManager
 from kvcluster.gap_sync import GapCounts, GapSync, sync_all
@@ -28,6 +27,7 @@ from kvcluster.node_control import DEFAULT_LEASE_S, NodeController
 from kvcluster.policies.base import RequestContext
 from kvcluster.reuse_gap import GapModel
 from kvcluster.hierarchy import TierPlan
+from kvcluster.storage.base import tensor_type
 
 from . import metrics
 from .index_actor import NAMESPACE
@@ -51,7 +51,7 @@ def payload_bytes(value) -> int:
     """Bytes of KV payload inside a call's arguments: arrays, tensors and byte strings longer than a key."""
     if isinstance(value, np.ndarray):
         return value.nbytes
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, tensor_type()):
         return value.numel() * value.element_size()
     if isinstance(value, (bytes, bytearray, memoryview)):
         return len(value) if len(value) > 64 else 0

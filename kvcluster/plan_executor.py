@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence
 
+import sys
+
 import numpy as np
-import torch
 
 from .cache_manager import StorePlan
-from .storage.base import StorageBackend
+from .storage.base import StorageBackend, tensor_type
 
 Held = Mapping[bytes, tuple[np.ndarray, int | None]]  # key -> (payload, verified digest or None)
 
@@ -98,6 +99,7 @@ class BackendTierIO:
                 placed.append(None)
                 continue
             if _on_device(buf):
+                torch = sys.modules["torch"]  # loaded: `buf` is one of its tensors
                 view = buf.reshape(-1).view(torch.uint8)[: payload.nbytes]
                 view.copy_(torch.from_numpy(np.asarray(payload)))
             else:
@@ -115,4 +117,4 @@ class BackendTierIO:
 
 
 def _on_device(buf) -> bool:
-    return isinstance(buf, torch.Tensor) and buf.device.type != "cpu"
+    return isinstance(buf, tensor_type()) and buf.device.type != "cpu"

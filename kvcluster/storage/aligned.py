@@ -12,8 +12,12 @@ reads them in place.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE = 4096
 
@@ -30,6 +34,8 @@ def aligned_host_tensor(rows: int, row_bytes: int, *, pin: bool = False, align: 
 
     A view into a slightly larger allocation; `pin` pins it (CUDA hosts), as a tier pool is.
     """
+    import torch
+
     flat = torch.empty(rows * row_bytes + align, dtype=torch.uint8, pin_memory=pin)
     skip = -flat.data_ptr() % align
     return flat[skip : skip + rows * row_bytes].view(rows, row_bytes)

@@ -11,18 +11,28 @@ miss; nothing half-written is ever served.
 from __future__ import annotations
 
 import logging
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import KvclusterError
 from ..keys import BlockKey
 from .copyhash import hash_bytes
 
-Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
+Payload = "bytes | bytearray | memoryview | np.ndarray | torch.Tensor"  # for annotations
+
+
+def tensor_type() -> type | tuple:
+    """torch.Tensor once torch is loaded, else () (no isinstance matches it): no tensor exists before torch is
+    imported, so a payload check need not import it."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else ()
 log = logging.getLogger("kvcluster.storage")
 
 
@@ -36,10 +46,10 @@ def host_bytes(data: Payload) -> np.ndarray:
 
     Why the copy: a file or a peer's pool is written from host memory (no GPUDirect path here),
     so a block on a device is staged once; the memory pools take device tensors as they are."""
-    if isinstance(data, torch.Tensor):
+    if isinstance(data, tensor_type()):
         if not data.is_contiguous():
             raise ValueError(f"a tensor payload must be contiguous (shape {tuple(data.shape)})")
-        flat = data.reshape(-1).view(torch.uint8)
+        flat = data.reshape(-1).view(sys.modules["torch"].uint8)
         return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
     if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
         return data
@@ -54,12 +64,12 @@ def host_out(out: Sequence | None, tier: str) -> list[np.ndarray] | None:
     copying that to the device (as the runner and the vLLM connector do) costs the same, once."""
     if out is None:
         return None
-    views = []
+    views, tensor = [], tensor_type()
     for buf in out:
-        if isinstance(buf, torch.Tensor):
+        if isinstance(buf, tensor):
             if buf.device.type != "cpu":
                 raise ValueError(f"{tier}: reads into host buffers, not {buf.device} tensors")
-            buf = buf.reshape(-1).view(torch.uint8).numpy()
+            buf = buf.reshape(-1).view(sys.modules["torch"].uint8).numpy()
         views.append(buf)
     return views
 
