@@ -31,11 +31,8 @@ if [ -n "$main_needed" ]; then
   uv_install .venv torch==2.13.0
   uv_install .venv -e ".[test]"
   .venv/bin/python -c "import torch; assert torch.version.cuda is None, f'torch {torch.__version__} is a CUDA build'"
-  compile_bytecode .venv
   echo "$want" > "$stamp"
 fi
-# The repo's own modules too (kvcluster is installed editable): only what changed since the last run compiles.
-.venv/bin/python -m compileall -q -j 0 kvcluster actors serve_apps benchmarks scripts tests >/dev/null 2>&1 || true
 if [ -f scripts/fetch_tokenizer.py ]; then
   .venv/bin/python scripts/fetch_tokenizer.py
 fi

@@ -101,7 +101,6 @@ import ray, nixl; from ray import serve; from ray.serve.llm import LLMConfig, bu
 assert torch.version.cuda is None, f'torch {torch.__version__} is a CUDA build'; \
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \
 'ray', ray.__version__)"
-  compile_bytecode "$VENV"
   echo "$want" > "$stamp"
 fi
 if [ -f scripts/fetch_tokenizer.py ] && [ -z "${SETUP_VLLM_NO_TOKENIZER:-}" ]; then

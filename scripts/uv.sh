@@ -10,10 +10,9 @@
 # registry's torch 2.13.0 is a CUDA build), so without it torch would not resolve, or would resolve to CUDA.
 # `--index-strategy unsafe-best-match` is pip's rule (the best version across every index); uv's default takes
 # a package from the first index that has it, and the local indexes hold older releases (ray 2.58).
-# Bytecode is compiled once per install, after it (`compile_bytecode`): Python writes a module's bytecode on
-# first import only where PYTHONDONTWRITEBYTECODE is unset, and with it set (as in CI's environment) every
-# process, each Ray worker and each CLI run, compiled torch's, Ray's and transformers' modules from source
-# again: `kvcluster size` took 13.1 s, 7.2 s once compiled. UV_CACHE_DIR, when set, is uv's download cache.
+# Bytecode is not compiled at install time (pip compiles every module of torch, ray and vLLM; Python compiles
+# only what is imported, once, on first import, unless PYTHONDONTWRITEBYTECODE is set: .ci/run and the test
+# suite unset it for what they start). UV_CACHE_DIR, when set, is uv's download cache.
 UV_VERSION=0.13.9
 UV_DIR=.cache/uv-$UV_VERSION
 UV="$UV_DIR/bin/uv"
@@ -61,14 +60,4 @@ uv_install() {  # $1: the venv; the rest: pip install's arguments
   "$UV" pip install -q --python "$venv/bin/python" "${UV_PIP_FLAGS[@]}" "$@"
   dt=$(( (${EPOCHREALTIME/./} - t0) / 100000 ))
   echo "setup: $venv: installed ${*: -1} in $((dt / 10)).$((dt % 10)) s" >&2
-}
-
-compile_bytecode() {  # $1: the venv; the rest: source directories of the repo. Bytecode of its site-packages.
-  local venv=$1 t0=${EPOCHREALTIME/./} dt
-  shift
-  # Exit status ignored: a package may ship files for another Python (templates, tests) that never import.
-  "$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    "$@" >/dev/null 2>&1 || true
-  dt=$(( (${EPOCHREALTIME/./} - t0) / 100000 ))
-  echo "setup: $venv: compiled its modules to bytecode in $((dt / 10)).$((dt % 10)) s" >&2
 }
