@@ -23,6 +23,12 @@ per second (`decisions_per_s`, goal >= 50,000). `decisions_per_s_actor` is the
 same through the node controller actor's remote calls, one request per call pair,
 which is what a writer waits for.
 
+Routing: the vLLM app's session placement (`ReplicaSessions.place`, what every
+ingress's router asks the deployment's `SessionDirectory` actor once per request)
+over `--replicas` replicas, requests of `--blocks` block keys, one in eight of a
+new session: requests routed per second in this process (`routes_per_s`) and
+through the directory actor, one caller (`routes_per_s_actor`).
+
     .venv/bin/python benchmarks/control_scale.py [--writers 4] [--requests 40] [--blocks 64] [--trials 3] [--json]
 """
 
@@ -54,6 +60,7 @@ from kvcluster.keys import stand_in_key  # noqa: E402
 from kvcluster.node_control import NodeController  # noqa: E402
 from kvcluster.policies.base import RequestContext  # noqa: E402
 from kvcluster.hierarchy import TierPlan  # noqa: E402
+from kvcluster.serve_apps.vllm_router import ReplicaSessions, SessionDirectory  # noqa: E402
 
 NODE = "scale"
 
@@ -170,6 +177,35 @@ def decisions_actor(control, args) -> dict:
     return {"decisions_per_s_actor": round(n * args.blocks / seconds), "actor_round_trips_per_s": round(n / seconds)}
 
 
+def route_requests(n: int, blocks: int) -> list[tuple[str, list[bytes]]]:
+    """`n` requests of sessions that each come back 8 times, with `blocks` block keys each."""
+    return [(f"s{r // 8}", [stand_in_key(r * blocks + b) for b in range(blocks)]) for r in range(n)]
+
+
+def routing(args) -> dict:
+    """Requests placed per second by `ReplicaSessions`, in this process."""
+    replicas = [f"replica-{i}" for i in range(args.replicas)]
+    sessions, requests = ReplicaSessions(16), route_requests(args.route_requests, args.blocks)
+    t0 = time.perf_counter()
+    for r, (session, keys) in enumerate(requests):
+        sessions.place(replicas, f"q{r}", session, keys, float(r))
+    return {"routes_per_s": round(len(requests) / (time.perf_counter() - t0)), "route_replicas": args.replicas}
+
+
+def routing_actor(args) -> dict:
+    """The same through a `SessionDirectory` actor, one caller awaiting each answer (as one ingress request)."""
+    replicas = [f"replica-{i}" for i in range(args.replicas)]
+    directory = SessionDirectory.remote()
+    requests = route_requests(max(1, args.route_requests // 20), args.blocks)
+    ray.get(directory.sessions_known.remote())
+    t0 = time.perf_counter()
+    for r, (session, keys) in enumerate(requests):
+        ray.get(directory.place.remote(replicas, f"q{r}", session, keys))
+    seconds = time.perf_counter() - t0
+    ray.kill(directory)
+    return {"routes_per_s_actor": round(len(requests) / seconds)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--writers", type=positive_int, default=4)
@@ -180,6 +216,8 @@ def main() -> int:
     parser.add_argument("--trials", type=positive_int, default=3)
     parser.add_argument("--decide-requests", type=positive_int, default=4000)
     parser.add_argument("--decide-capacity", type=positive_int, default=4096, help="dram blocks for the decisions")
+    parser.add_argument("--route-requests", type=positive_int, default=20000, help="requests routed in process")
+    parser.add_argument("--replicas", type=positive_int, default=8, help="replicas the requests are routed to")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     out = JsonOutput(args.json)
@@ -190,9 +228,11 @@ def main() -> int:
     try:
         report = ingest(args, block_bytes, tmp)
         report.update(decisions_actor(report.pop("_control"), args))
+        report.update(routing_actor(args))
     finally:
         ray.shutdown()
     report.update(decisions(args))
+    report.update(routing(args))
     report["goals"] = {"ingest_vs_direct": 0.8, "control_payload_bytes": 0, "decisions_per_s": 50_000}
     report["meets_goals"] = {"ingest_vs_direct": report["ingest_vs_direct"] >= 0.8,
                              "control_payload_bytes": report["control_payload_bytes"] == 0,
@@ -206,6 +246,8 @@ def main() -> int:
     print(f"  KV bytes through control calls: {report['control_payload_bytes']} (goal 0)")
     print(f"decisions: {report['decisions_per_s']:,} blocks/s in one NodeController (goal 50,000); "
           f"{report['decisions_per_s_actor']:,} blocks/s through the actor")
+    print(f"routing: {report['routes_per_s']:,} requests/s in process over {args.replicas} replicas; "
+          f"{report['routes_per_s_actor']:,}/s through the session directory actor")
     return 0
 
 

@@ -62,7 +62,7 @@ ENTRIES: dict[str, Entry] = {
     "control_memory.py": run("--passes", "2", "--smoke"),
     "cluster_sim.py": run("--nodes", "1,2", "--policies", "lru", "--max-requests", "30"),
     "control_scale.py": run("--writers", "1", "--requests", "2", "--blocks", "2", "--trials", "1",
-                            "--decide-requests", "10", "--decide-capacity", "64"),
+                            "--decide-requests", "10", "--decide-capacity", "64", "--route-requests", "40"),
     "control_plane.py": run("--tracked", "2000", "--request-blocks", "8", "--requests", "5"),
     "first_command.py": Entry(skip="one vLLM Serve app start takes 80 s alone and past 300 s beside another benchmark "
                                    "on 2 cores; what it shows is tested in tests/vllm_engine (a clean shutdown's "
