@@ -39,6 +39,7 @@ from kvcluster.session_routing import WINDOW_S, SessionRouter
 MAX_DECISIONS = 4096  # requests whose replica is remembered, for Serve's retries of the same request
 DIRECTORY_NAME = "kvcluster-sessions"
 DIRECTORY_TIMEOUT_S = 5.0  # past this, an ingress routes the request alone (the directory is restarting)
+DIRECTORY_START_S = 120.0  # the first answer may wait for the directory's process to start
 
 
 class ReplicaSessions:
@@ -140,11 +141,14 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
         self.directory = session_directory(getattr(deployment, "app_name", "") or "",
                                            getattr(deployment, "name", "") or "", window_s)
         self.routed_alone = 0  # requests decided here because the directory did not answer
+        self.directory_answered = False
 
     async def place(self, replica_ids: list[str], request_id: str, session: str, blocks: list) -> str:
         try:
             ref = self.directory.place.remote(replica_ids, request_id, session, blocks)
-            return await asyncio.wait_for(ref, DIRECTORY_TIMEOUT_S)
+            chosen = await asyncio.wait_for(ref, DIRECTORY_TIMEOUT_S if self.directory_answered else DIRECTORY_START_S)
+            self.directory_answered = True
+            return chosen
         except (ray.exceptions.RayActorError, asyncio.TimeoutError):
             self.routed_alone += 1
             return self.sessions.place(replica_ids, request_id, session, blocks, time.monotonic())
