@@ -21,6 +21,7 @@ when the manager died fail; the callers' reads of them are misses.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -68,9 +69,10 @@ class PoolManagerActor:
             except ValueError:
                 continue
             listed[name] = (share, share.held_keys.remote())
+        deadline = time.monotonic() + SHARE_ANSWER_S  # one wait for all: silent shares do not add up
         for name, (share, ref) in listed.items():
             try:
-                keys = ray.get(ref, timeout=SHARE_ANSWER_S)
+                keys = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except (RayActorError, GetTimeoutError):
                 continue
             extra = self.pool.adopt(keys, name)
