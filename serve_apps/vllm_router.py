@@ -40,6 +40,7 @@ MAX_DECISIONS = 4096  # requests whose replica is remembered, for Serve's retrie
 DIRECTORY_NAME = "kvcluster-sessions"
 DIRECTORY_TIMEOUT_S = 5.0  # past this, an ingress routes the request alone (the directory is restarting)
 DIRECTORY_START_S = 120.0  # the first answer may wait for the directory's process to start
+ALONE_S = 10.0  # after the directory failed to answer, an ingress decides alone this long before asking again
 
 
 class ReplicaSessions:
@@ -142,16 +143,21 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
                                            getattr(deployment, "name", "") or "", window_s)
         self.routed_alone = 0  # requests decided here because the directory did not answer
         self.directory_answered = False
+        self.alone_until = 0.0  # a directory that failed is not asked again before this (a hung one would
+        # otherwise cost every request DIRECTORY_TIMEOUT_S)
 
     async def place(self, replica_ids: list[str], request_id: str, session: str, blocks: list) -> str:
-        try:
-            ref = self.directory.place.remote(replica_ids, request_id, session, blocks)
-            chosen = await asyncio.wait_for(ref, DIRECTORY_TIMEOUT_S if self.directory_answered else DIRECTORY_START_S)
-            self.directory_answered = True
-            return chosen
-        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
-            self.routed_alone += 1
-            return self.sessions.place(replica_ids, request_id, session, blocks, time.monotonic())
+        if time.monotonic() >= self.alone_until:
+            try:
+                ref = self.directory.place.remote(replica_ids, request_id, session, blocks)
+                chosen = await asyncio.wait_for(
+                    ref, DIRECTORY_TIMEOUT_S if self.directory_answered else DIRECTORY_START_S)
+                self.directory_answered = True
+                return chosen
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                self.alone_until = time.monotonic() + ALONE_S
+        self.routed_alone += 1
+        return self.sessions.place(replica_ids, request_id, session, blocks, time.monotonic())
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

@@ -106,3 +106,38 @@ def test_every_ingress_replica_sends_a_session_to_the_same_replica(endpoint) -> 
         assert ray.get(directory.sessions_known.remote()) == 7
     finally:
         serve.delete("routing-check")
+
+
+def test_an_ingress_decides_alone_while_the_directory_fails_and_asks_it_again_later() -> None:
+    """A directory that cannot answer is asked once, then not again for ALONE_S: each request is routed at once
+    by the ingress's own sessions, not after a timeout per request."""
+    import asyncio
+
+    import ray
+
+    from kvcluster.serve_apps.vllm_router import SessionAffinityRouter
+
+    class DeadDirectory:
+        def __init__(self) -> None:
+            self.calls = 0
+            self.place = SimpleNamespace(remote=self.ask)
+
+        def ask(self, *args):
+            self.calls += 1
+            answer = asyncio.get_running_loop().create_future()
+            answer.set_exception(ray.exceptions.RayActorError())
+            return answer
+
+    router = SessionAffinityRouter.__new__(SessionAffinityRouter)  # its state alone: no Serve around it
+    router.sessions, router.directory = ReplicaSessions(BLOCK), DeadDirectory()
+    router.routed_alone, router.directory_answered, router.alone_until = 0, True, 0.0
+    blocks = router.sessions.blocks(prompt(1, 0))
+
+    async def route(n: int) -> list[str]:
+        return [await router.place(["a", "b"], f"q{i}", "t/x", blocks) for i in range(n)]
+
+    assert asyncio.run(route(3)) == ["a"] * 3  # the session kept its replica, decided alone
+    assert router.directory.calls == 1 and router.routed_alone == 3
+    router.alone_until = 0.0  # ALONE_S later
+    asyncio.run(route(1))
+    assert router.directory.calls == 2
