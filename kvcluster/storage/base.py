@@ -33,6 +33,8 @@ def tensor_type() -> type | tuple:
     imported, so a payload check need not import it."""
     torch = sys.modules.get("torch")
     return torch.Tensor if torch is not None else ()
+
+
 log = logging.getLogger("kvcluster.storage")
 
 
