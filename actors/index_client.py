@@ -121,6 +121,8 @@ class LocalIndex:
 
     def _follow(self) -> None:
         while not self._stop.wait(self.refresh_s):
+            if not ray.is_initialized():  # the process left Ray: a call now would start a new local Ray
+                return
             self.refresh()
 
     def longest_prefix(self, keys: Sequence[bytes], timeout_s: float | None = None) -> PrefixMatch:

@@ -53,6 +53,8 @@ NIXL_RETRY_S = 30.0  # after a failed NIXL connect, that tier is read through th
 
 
 class ClusterBlockStore:
+    _closed = False  # set by `close`: stores and answers stay in this replica's hbm
+
     def __init__(self, hbm: LocalBlockStore, node: str | None, timeout_s: float = 10.0,
                  nixl_staging_bytes: int | None = 32 << 20, index: IndexClient | LocalIndex | None = None):
         """`nixl_staging_bytes`: memory tiers are read over NIXL through a staging buffer of this size (one
@@ -370,7 +372,7 @@ class ClusterBlockStore:
         turn finds them here) straight into the tiers the controller names (`NodeWriter`). The payloads
         are the caller's to give away: it does not reuse them."""
         self.hbm.store(keys, payloads, pairs, finish, output_tokens, session, continues)
-        if self.node is None or not keys:
+        if self.node is None or not keys or self._closed:
             return
         self._requests += 1
         ctx = served_context(self._requests, time.time(), pairs, finish, output_tokens, session, continues)
@@ -408,11 +410,25 @@ class ClusterBlockStore:
         """How the answer to `session`'s latest request ended: this node's hbm policy and its controller (after
         the request's stores, on the same saver thread) re-class its blocks."""
         self.hbm.answered(session, finish, output_tokens)
-        if self.node is None or not session:
+        if self.node is None or not session or self._closed:
             return
         self._saver.submit(self.writer.answered, session, finish, output_tokens)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every store and answer handed to the saver thread so far has reached the controller."""
         self._saver.submit(lambda: self.writer is not None and self.writer.flush()).result(timeout=timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the stores and answers handed over so far, then stop the saver thread; later stores stay in hbm.
+
+        Why: a saver call made after its process left Ray (`ray.shutdown`) starts a new local Ray in the
+        saver thread (Ray's auto-init), whose processes die with that thread: the process is then connected
+        to a dead cluster and Ray ends it, with status 1, a minute later. Call this before leaving Ray."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout_s)
+        finally:
+            self._closed = True
+            self._saver.shutdown(wait=False, cancel_futures=True)  # after a flush, nothing is left to wait for
 

@@ -12,6 +12,10 @@ sys.dont_write_bytecode = False
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Ray call made after a test left Ray (a store thread still at work at `ray.shutdown`) raises here, where
+# Ray would start a new local cluster from that thread: its processes die with the thread, and Ray ends the
+# whole pytest process a minute later, with status 1 and no report.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 
 import pytest  # noqa: E402

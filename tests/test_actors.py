@@ -287,3 +287,48 @@ def test_a_replica_store_passes_a_late_answer_to_its_hbm_policy_and_the_control_
     store.answered("alice", "stop", 12)
     store.flush()
     assert len(store.writer.told) == 1
+
+
+def test_a_closed_replica_store_finishes_what_it_was_handed_and_calls_nothing_after() -> None:
+    """`close` waits for the stores in flight and stops the saver thread: a store handed over later stays in hbm
+    and reaches no actor (a call after the process left Ray would start a new local Ray in that thread)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcluster.serve_apps.cluster_store import ClusterBlockStore
+    from kvcluster.serving.block_store import LocalBlockStore
+    from kvcluster.storage import hbm_backend
+    from kvcluster.storage.tiered import TieredStore
+
+    release = threading.Event()
+
+    class SlowWriter:
+        def __init__(self) -> None:
+            self.stored: list = []
+            self.counters = {"control_unavailable": 0}
+
+        def store(self, keys, new, ctx, pairs) -> int:
+            release.wait()
+            self.stored.append(list(keys))
+            return 0
+
+        def flush(self) -> None:
+            pass
+
+    store = ClusterBlockStore.__new__(ClusterBlockStore)  # the replica side only: no index or predictor actor
+    store.hbm = LocalBlockStore(TieredStore([hbm_backend(8, 64)], 64))
+    store.node, store.writer, store._saver = "n0", SlowWriter(), ThreadPoolExecutor(1)
+    store._requests, store._queued, store._queue_lock, store._from_peers = 0, 0, threading.Lock(), set()
+    first, later = (KeySpace(model="close").chain_hash_ids([i, i + 1]) for i in (1, 7))
+    store.store(first, [np.ones(64, np.uint8)] * 2)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # the store in flight is waited for
+    release.set()
+    closer.join()
+    assert store.writer.stored == [[bytes(k) for k in first]]
+    store.store(later, [np.ones(64, np.uint8)] * 2)
+    store.answered("s", "stop", 3)
+    assert store.writer.stored == [[bytes(k) for k in first]] and store._saver._shutdown
+    assert len(store.hbm.fetch(later)) == 2  # kept in this replica's hbm

@@ -74,6 +74,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         tool_fork = pair_index(BlockType.TOOL, TransitionType.FORK)
         assert (before.alpha[tool_fork], before.beta[tool_fork]) == (1.0, 7.0)  # the YAML's priors, untouched pair
         assert before.alpha[pair_index(BlockType.OUTPUT, TransitionType.FORK)] == 3.0
+        runner.store.close()  # its saver thread's last calls are made while Ray is up
         down(cfg)  # checkpoints the predictor, kills every actor
     finally:
         ray.shutdown()  # the whole cluster is gone: only files remain
@@ -94,6 +95,7 @@ def test_pfs_blocks_and_posteriors_survive_a_full_restart(tmp_path):
         assert again.cached_tokens == 128  # 8 blocks read back from pfs, checksums verified
         assert again.output_ids == cold.output_ids
         assert runner.store.counters["pfs"] == 8
+        runner.store.close()
         down(cfg)
     finally:
         ray.shutdown()

@@ -112,6 +112,7 @@ def test_an_identical_replay_reuses_every_usable_prompt_block(tmp_path):
         assert control_stats["payload_bytes"] == 0  # the replicas wrote their blocks into the tiers themselves
         assert all(s.get("corrupt", 0) == 0 and s.get("put_failures", 0) == 0 for s in stats.values()), stats
         assert cached == sum(len(k) * 16 for k in usable), (cached, total, control_stats)
+        runner.store.close()  # its saver thread's last calls are made while Ray is up
         down(cfg)
     finally:
         ray.shutdown()
