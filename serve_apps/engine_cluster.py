@@ -9,6 +9,10 @@ workers run elsewhere. Every missing piece is a ConfigError that says what to st
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
+from typing import Iterator
+
 import ray
 
 from kvcluster.actors.index_actor import NAMESPACE
@@ -64,11 +68,28 @@ class EngineCluster:
                               f"start the cluster first (`kvcluster cluster up CONFIG`)") from None
 
 
+@contextmanager
+def unseeded_random() -> Iterator[None]:
+    """Python's `random` drawn from the OS inside, and left as it was outside.
+
+    Why: Ray draws a driver's GCS subscriber ids from `random` (`ray._private.gcs_pubsub`), and vLLM seeds it
+    with the engine's seed in every worker before the connector joins. Two tensor-parallel workers then
+    subscribe under one id and take each other's long poll at the GCS: both spin (~10% of a core each) and
+    the GCS answers ~1,000 polls a second for every such pair. The engine's own random stream is untouched."""
+    state = random.getstate()
+    random.seed()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
 def connect(link: ClusterLink) -> EngineCluster:
     """Join the Ray cluster of `link` unless this process has joined one (a ConfigError naming the address)."""
     if not ray.is_initialized():
         try:
-            ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
+            with unseeded_random():
+                ray.init(address=link.address, namespace=NAMESPACE, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ConfigError(f"kv_connector_extra_config.cluster.address: no Ray cluster at {link.address!r}: "
