@@ -157,17 +157,35 @@ def smoke_one(script: Path, entry: Entry, timeout_s: float, scratch: Path) -> st
     return None
 
 
-def stop(proc: subprocess.Popen, grace_s: float | None = None) -> None:
-    """Stop a benchmark past its time and everything below it: its process group, and the processes it started
-    in sessions of their own (a `serve run`), which the group does not reach. SIGTERM first, so that such a
-    server can stop its own workers, then SIGKILL for whatever is left."""
-    grace_s = STOP_GRACE_S if grace_s is None else grace_s
-    tree = descendants(proc.pid)
+def freeze(proc: subprocess.Popen) -> set[int]:
+    """SIGSTOP the benchmark's process group and every process below it, until no new one appears; their pids.
+
+    Why: a process's children are found by their parent links, which break when the parent exits (they go to
+    init). A benchmark stopped while it starts a server in a session of its own could exit before the server
+    is seen and leave it running; stopped, nothing below it can start or lose a process any more."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGSTOP)
     except ProcessLookupError:  # it ended meanwhile; what it started may not have
         pass
-    kill(tree, signal.SIGTERM)
+    frozen: set[int] = set()
+    while new := descendants(proc.pid) - frozen:
+        kill(new, signal.SIGSTOP)
+        frozen |= new
+    return frozen
+
+
+def stop(proc: subprocess.Popen, grace_s: float | None = None) -> None:
+    """Stop a benchmark past its time and everything below it: its process group, and the processes it started
+    in sessions of their own (a `serve run`), which the group does not reach. All are frozen first (`freeze`),
+    then sent SIGTERM and let go on, so that such a server can stop its own workers; SIGKILL for what is left."""
+    grace_s = STOP_GRACE_S if grace_s is None else grace_s
+    tree = freeze(proc)
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        kill(tree, sig)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:

@@ -107,3 +107,51 @@ def test_a_stopped_run_takes_the_servers_it_started_in_their_own_sessions(tmp_pa
     pid = int(pid_file.read_text())
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"), "the server outlived its benchmark"
+
+
+@pytest.mark.timeout(120)
+def test_a_server_started_while_the_benchmark_is_being_stopped_goes_too(tmp_path: Path, monkeypatch) -> None:
+    """The race behind a server that outlived its benchmark: the benchmark starts the server (in a session of its
+    own) just after the stop has listed the processes below it, then dies of SIGTERM, and the server, now a child
+    of init, is no longer below anything. Here the first listing lets the benchmark go on and start it; the stop
+    must freeze the benchmark first, so that no server starts, or find the one that did."""
+    import os
+    import subprocess
+    import time
+
+    monkeypatch.setattr(smoke, "STOP_GRACE_S", 2.0)
+    go, pid_file = tmp_path / "go", tmp_path / "server.pid"
+    server = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    script = fake(tmp_path, f"""
+        import os, subprocess, sys, time
+        print('waiting', file=sys.stderr, flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        server = subprocess.Popen([sys.executable, "-c", {server!r}], start_new_session=True)
+        open({str(pid_file)!r} + ".tmp", "w").write(str(server.pid))
+        os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+        time.sleep(600)
+        """)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr.readline().strip() == "waiting"
+    listed = smoke.descendants
+
+    def listing_then_the_server_starts(root=None):
+        first = listed(root)
+        if not go.exists():
+            go.touch()
+            deadline = time.monotonic() + 5  # the benchmark, unless frozen, starts its server meanwhile
+            while not pid_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return first
+
+    monkeypatch.setattr(smoke, "descendants", listing_then_the_server_starts)
+    smoke.stop(proc)
+    proc.wait(timeout=60)
+    if pid_file.exists():
+        pid = int(pid_file.read_text())
+        stat = Path(f"/proc/{pid}/stat")
+        alive = stat.exists() and not stat.read_text().split(") ")[1].startswith("Z")
+        if alive:
+            os.kill(pid, 9)
+        assert not alive, "the server started during the stop outlived its benchmark"
