@@ -13,25 +13,29 @@ prefetch tracker and its metrics about the result is the tier's business.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import ray
 
+from kvcluster import storage  # NIXL's backends load torch: a tier loads them with its first pull or loan
 from kvcluster.keys import BlockKey
-from kvcluster.storage import NixlPeerPool, RDMABackend, StorageError
+from kvcluster.storage.base import StorageError
 
 from .index_actor import NAMESPACE
 from .peer_control import ActorPeerControl
 
+if TYPE_CHECKING:
+    from kvcluster.storage import NixlPeerPool, RDMABackend
+
 Store = Callable[[list[bytes], list[np.ndarray], list[int | None]], list[bool]]
-Connect = Callable[[str, int, str], RDMABackend]
+Connect = Callable[[str, int, str], "RDMABackend"]
 
 
 def connect_actor(source: str, staging_bytes: int, name: str) -> RDMABackend:
     """A NIXL client (agent `name`) of the pool lent by the actor named `source`; ValueError if it is gone."""
     handle = ray.get_actor(source, namespace=NAMESPACE)
-    return RDMABackend(ActorPeerControl(handle, timeout_s=30), staging_bytes, 1, name=name)
+    return storage.RDMABackend(ActorPeerControl(handle, timeout_s=30), staging_bytes, 1, name=name)
 
 
 class NixlPuller:

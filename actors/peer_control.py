@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ray
 
-from kvcluster.storage.rdma import PeerUnavailable
+from kvcluster.storage.base import PeerUnavailable
 
 
 class ActorPeerControl:

@@ -13,10 +13,14 @@ and `reporter` (its `IndexReporter`); the methods below become its remote method
 
 from __future__ import annotations
 
-from kvcluster.storage import NixlPeerPool
+from typing import TYPE_CHECKING
+
 from kvcluster.tiers import NIXL_TIERS
 
 from .index_reporter import IndexReporter
+
+if TYPE_CHECKING:  # torch comes with it: only a memory tier that lends its pool loads it
+    from kvcluster.storage import NixlPeerPool
 
 MEMORY_TIERS = NIXL_TIERS  # tiers whose pool is a slab other nodes can read over NIXL (kvcluster.tiers)
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvcluster import storage  # the memory tiers' names load torch on first use: file tiers never do
 from kvcluster.keys import BlockKey
-from kvcluster.storage import NixlPeerPool, NVMeBackend, PFSBackend, cxl_backend, dram_backend
+from kvcluster.storage import NVMeBackend, PFSBackend
 from kvcluster.tiers import NODE_TIERS, TierSpec, check_tiers, format_size
 
 from .index_actor import NAMESPACE
@@ -33,6 +35,9 @@ from .nixl_pull import NixlPuller
 from .peer_server import MEMORY_TIERS, PeerServer
 from .prefetch import PrefetchTracker
 from .tier_metrics import TierMetrics
+
+if TYPE_CHECKING:
+    from kvcluster.storage import NixlPeerPool
 
 
 class TierActorConfig(BaseModel):
@@ -86,9 +91,9 @@ def actor_name(node: str, tier: str) -> str:
 
 def _backend(cfg: TierActorConfig):
     if cfg.kind == "dram":
-        return dram_backend(cfg.slots, cfg.slot_bytes)
+        return storage.dram_backend(cfg.slots, cfg.slot_bytes)
     if cfg.kind == "cxl":
-        return cxl_backend(cfg.slots, cfg.slot_bytes)
+        return storage.cxl_backend(cfg.slots, cfg.slot_bytes)
     if cfg.path is None:
         raise ValueError(f"the {cfg.kind} tier needs a path")
     if cfg.kind == "nvme":
@@ -217,7 +222,8 @@ class TierActor(PeerServer):
         if self.cfg.kind not in MEMORY_TIERS:
             raise ValueError(f"the {self.cfg.kind} tier is not a memory pool other nodes can read over NIXL")
         if self._nixl is None:
-            self._nixl = NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes, name=f"kvc-{self.cfg.node}-{self.cfg.kind}",
+            self._nixl = storage.NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes,
+                                              name=f"kvc-{self.cfg.node}-{self.cfg.kind}",
                                       pool=self.backend.pool, table=self.backend.table)
         return self._nixl
 

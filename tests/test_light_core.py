@@ -49,11 +49,13 @@ def test_importing_the_core_loads_no_cluster_package() -> None:
 
 
 def test_control_actors_and_file_tiers_start_without_torch() -> None:
-    """A node controller, the pool manager and the file backends never load torch (seconds and ~200 MB per Ray
-    worker); the memory tiers load it when used."""
+    """A node controller, the pool manager, a file tier's actor and the file backends never load torch (seconds
+    and ~200 MB per Ray worker); the memory tiers load it when used."""
     probe = ("import sys, kvcluster.actors.node_control_actor, kvcluster.actors.pool_manager_actor, "
-             "kvcluster.actors.index_actor, kvcluster.actors.predictor_actor; "
-             "from kvcluster.storage import PFSBackend, NVMeBackend, checksum; print('torch' in sys.modules); "
+             "kvcluster.actors.index_actor, kvcluster.actors.predictor_actor, kvcluster.actors.tier_actor as t; "
+             "from kvcluster.storage import PFSBackend, NVMeBackend, checksum; import tempfile; "
+             "t._backend(t.TierActorConfig.of('n0', 'pfs', 4, 4096, tempfile.mkdtemp())); "
+             "print('torch' in sys.modules); "
              "from kvcluster.storage import dram_backend; print('torch' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.split() == ["False", "True"], run.stderr

@@ -42,6 +42,13 @@ class StorageError(KvclusterError):
     """A backend cannot be set up (unwritable directory, no space for its slab, bad size)."""
 
 
+class PeerUnavailable(StorageError):
+    """A peer pool's owner cannot be reached (its node left, its actor is restarting).
+
+    Here, not beside the NIXL backend that raises it: the control channel's client catches and raises
+    it in processes that never load NIXL or torch (a file tier's actor)."""
+
+
 def host_bytes(data: Payload) -> np.ndarray:
     """A payload's bytes as a flat uint8 numpy array: a view of host memory (CPU tensors too), a copy of a device
     tensor's bytes.

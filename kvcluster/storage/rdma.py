@@ -30,7 +30,8 @@ import torch
 
 from ..keys import BlockKey
 from .aligned import aligned_empty
-from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes
+from .base import (BackendStats, Payload, PeerUnavailable, StorageBackend, StorageError, checksum, given_digests,
+                   host_bytes)
 from .copyhash import copy_hash, hash_segments, tensor_hashes
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
@@ -57,10 +58,6 @@ def ucx_transport(devices_dir: Path = RDMA_DEVICES) -> tuple[str, bool]:
 
 
 RESERVATION_TTL_S = 120.0  # a reserved slot nobody committed is free again after this (transfers give up at 30 s)
-
-
-class PeerUnavailable(StorageError):
-    """The pool's owner cannot be reached (its node left, its actor is restarting)."""
 
 
 LANE_MIN_BYTES = 1 << 20  # a lane is woken per this much of a batch: less is not worth a thread handoff (40-75 us)
