@@ -58,19 +58,46 @@ def reference():
     return ModelRunner(load_model(MODEL))
 
 
+ENGINE_SUITE_TEST = "tests/test_vllm_engine.py::"
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Tests on the shared Serve endpoint run last, in their usual order.
+    """Tests on the shared Serve endpoint run last, in their usual order, and the wait for the engine suite after them.
 
     Why: modules that start a Ray session of their own (multi-node clusters, full restarts) end
     whatever session the process had, and with it the shared endpoint; started after them, it
-    lives until the end."""
-    items.sort(key=lambda item: "endpoint" in getattr(item, "fixturenames", ()))
+    lives until the end. The engine suite runs in the background meanwhile (tests/engine_suite.py)."""
+    items.sort(key=lambda item: (item.nodeid.startswith(ENGINE_SUITE_TEST),
+                                 "endpoint" in getattr(item, "fixturenames", ())))
+
+
+_ENGINE_SUITE: list = []
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the vLLM engine's suite in the background when this run includes the test that waits for it."""
+    import importlib.util
+
+    import engine_suite
+
+    wanted = not session.config.option.collectonly and any(item.nodeid.startswith(ENGINE_SUITE_TEST)
+                                                          for item in session.items)
+    if wanted and importlib.util.find_spec("vllm") is None and engine_suite.ENGINE_PYTHON.exists():
+        _ENGINE_SUITE.append(engine_suite.start())
+
+
+@pytest.fixture(scope="session")
+def engine_suite_run():
+    """The engine suite started at collection, or None when it could not be."""
+    return _ENGINE_SUITE[0] if _ENGINE_SUITE else None
 
 
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    for run in _ENGINE_SUITE:  # a run that ended before its test waited for it (-x, Ctrl-C) leaves nothing behind
+        run.stop()
     _EXIT_STATUS.append(int(exitstatus))
 
 

