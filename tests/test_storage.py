@@ -453,3 +453,21 @@ def test_a_full_nvme_tier_keeps_a_batchs_first_blocks_whichever_way_each_is_writ
     assert [None if p is None else int(p[0]) for p in backend.get_many(ks)] == [1, 2, None, None]
     assert backend.stats()["put_failures"] == 2
     backend.check_integrity()
+
+
+def test_a_payload_check_while_another_thread_is_still_importing_torch_is_no_error(monkeypatch, tmp_path) -> None:
+    """A file tier loads torch on first use, maybe in one thread while another stores: torch is in sys.modules
+    from the start of its import, its names only later. Until `Tensor` exists, no tensor does either."""
+    import sys
+    import types
+
+    from kvcluster.storage.base import host_bytes, tensor_type
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # as it is halfway through its import
+    assert tensor_type() == ()
+    block = np.arange(4096, dtype=np.uint8)
+    assert np.array_equal(host_bytes(block), block)
+    backend = NVMeBackend(tmp_path, 2, 4096)
+    key = BlockKey(b"\x01" * 16)
+    assert backend.put_many([(key, block)]) == [True]
+    assert np.array_equal(backend.get_many([key])[0], block)

@@ -30,9 +30,10 @@ Payload = "bytes | bytearray | memoryview | np.ndarray | torch.Tensor"  # for an
 
 def tensor_type() -> type | tuple:
     """torch.Tensor once torch is loaded, else () (no isinstance matches it): no tensor exists before torch is
-    imported, so a payload check need not import it."""
-    torch = sys.modules.get("torch")
-    return torch.Tensor if torch is not None else ()
+    imported, so a payload check need not import it. torch may be half imported by another thread (it is listed
+    in sys.modules from the start of its import, its names come later): until `Tensor` is defined, no tensor
+    exists either."""
+    return getattr(sys.modules.get("torch"), "Tensor", ())
 
 
 log = logging.getLogger("kvcluster.storage")
