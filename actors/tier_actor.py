@@ -224,7 +224,7 @@ class TierActor(PeerServer):
         if self._nixl is None:
             self._nixl = storage.NixlPeerPool(self.cfg.slots, self.cfg.slot_bytes,
                                               name=f"kvc-{self.cfg.node}-{self.cfg.kind}",
-                                      pool=self.backend.pool, table=self.backend.table)
+                                              pool=self.backend.pool, table=self.backend.table)
         return self._nixl
 
     def _looked_up(self, keys: list[bytes], entries: list[tuple[int, int, int] | None]) -> None:

@@ -11,6 +11,7 @@ stops it with everything it started.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -37,6 +38,7 @@ class EngineSuite:
         code = self.process.wait(timeout=max(1.0, self.started + ceiling_s - time.monotonic()))
         stdout = self.output_path.read_text(errors="replace")
         stderr = self.output_path.with_suffix(".err").read_text(errors="replace")
+        shutil.rmtree(self.output_path.parent, ignore_errors=True)
         return code, stdout, stdout + stderr
 
     def stop(self) -> None:
@@ -44,6 +46,7 @@ class EngineSuite:
         if self.process.poll() is None:
             kill(descendants(self.process.pid) | {self.process.pid}, signal.SIGKILL)
             self.process.wait()
+        shutil.rmtree(self.output_path.parent, ignore_errors=True)
 
 
 def start() -> EngineSuite:
