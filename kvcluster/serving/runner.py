@@ -95,6 +95,9 @@ class ModelRunner:
         # transformers >= 5.20 names the cache argument `cache`; earlier 5.x (e.g. a GPU image's 5.17) `past_key_values`
         params = inspect.signature(loaded.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # Prefill needs the last position's logits only: the LM head over every prompt token is up to
+        # 40% of a small model's prefill (its vocabulary row count dwarfs the hidden size).
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.rope = _segment_rope(loaded.model)  # None: segments cannot move (absolute or per-layer RoPE)
         self.keys = KeySpace(model=loaded.fingerprint, root_seed=root_seed)
         self._stop_holdback = 0
@@ -145,13 +148,13 @@ class ModelRunner:
             if not found:
                 continue
             if s > pos:
-                self._forward(gen.prompt_ids[pos:s], gen.cache)
+                self._forward(gen.prompt_ids[pos:s], gen.cache, all_logits=False)
             if gen.rerotated_from is None:
                 gen.rerotated_from = s
             self.codec.append(gen.cache, self.codec.rerotate(found, s, self.rope))
             pos = s + len(found) * self.block_tokens
             gen.segment_tokens += pos - s
-        out = self._forward(gen.prompt_ids[pos:], gen.cache)
+        out = self._forward(gen.prompt_ids[pos:], gen.cache, all_logits=whole)
         if whole:
             gen.prompt_logprobs = [(t, *token_logprobs(out.logits[0, i], t, params.prompt_logprobs))
                                    for i, t in enumerate(gen.prompt_ids[1:])]
@@ -164,7 +167,7 @@ class ModelRunner:
         """Decode one more token."""
         if gen.done:
             return
-        out = self._forward([gen.output_ids[-1]], gen.cache)
+        out = self._forward([gen.output_ids[-1]], gen.cache, all_logits=False)
         self._pick(gen, out.logits[0, -1])
 
     def new_text(self, gen: Generation) -> str:
@@ -242,9 +245,11 @@ class ModelRunner:
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _forward(self, token_ids: Sequence[int], cache):
+    def _forward(self, token_ids: Sequence[int], cache, all_logits: bool):
+        """Extend `cache` by `token_ids`; logits for every position only when `all_logits`, else the last one's."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        return self.loaded.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+        keep = {} if all_logits else self._last_logits
+        return self.loaded.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **keep)
 
     def _usable_segments(self, segments: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
         """Segments holding at least one full block, inside the prompt, not overlapping; none without RoPE."""
