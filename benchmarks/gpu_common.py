@@ -50,7 +50,7 @@ def full_plan(label: str) -> Plan:
 
 
 def dry_plan() -> Plan:
-    return Plan(True, "cpu", DRY_LABEL, "kvcluster-tiny-llama", "bf16", 16, 16, 2, 128, 96, 8, 2, (64, 160),
+    return Plan(True, "cpu", DRY_LABEL, "kvcluster-tiny-llama", "bf16", 16, 16, 2, 64, 48, 8, 2, (64, 160),
                 {"hbm": 30, "paged": 20, "nvme": 30, "nixl": 30, "serving": 120, "sizing": 30})
 
 
