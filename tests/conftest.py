@@ -2,6 +2,7 @@
 
 import os
 import sys
+import types
 
 # Every process the suite starts (Ray workers, CLI runs, the vLLM suite) writes the bytecode of what it imports,
 # whatever the caller's environment says: with PYTHONDONTWRITEBYTECODE set, each one compiled torch's, Ray's and
@@ -61,14 +62,24 @@ def reference():
 ENGINE_SUITE_TEST = "tests/test_vllm_engine.py::"
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """Tests on the shared Serve endpoint run last, in their usual order, and the wait for the engine suite after them.
+def drives_ray(item) -> bool:
+    """Whether the test's module drives Ray itself (imports it at module level: actors, clusters, live replays)."""
+    return isinstance(getattr(getattr(item, "module", None), "ray", None), types.ModuleType)
 
-    Why: modules that start a Ray session of their own (multi-node clusters, full restarts) end
-    whatever session the process had, and with it the shared endpoint; started after them, it
-    lives until the end. The engine suite runs in the background meanwhile (tests/engine_suite.py)."""
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Modules that drive Ray run after the others, the tests on the shared Serve endpoint after them, each group
+    in its usual order, and the wait for the engine suite last.
+
+    Why this order: the engine suite runs in the background from the start (tests/engine_suite.py) and
+    keeps both cores busy for its first minutes. A test made of many actor round trips waits for a core
+    at every hop then (the live replays: 104 s alone, about 240 s beside it), while a test that computes
+    in this process slows far less; so the Ray modules go after, when the engine suite is done or nearly.
+    The endpoint's tests go last because modules that start a Ray session of their own (multi-node
+    clusters, full restarts) end whatever session the process had, and with it the shared endpoint;
+    started after them, it lives until the end."""
     items.sort(key=lambda item: (item.nodeid.startswith(ENGINE_SUITE_TEST),
-                                 "endpoint" in getattr(item, "fixturenames", ())))
+                                 "endpoint" in getattr(item, "fixturenames", ()), drives_ray(item)))
 
 
 _ENGINE_SUITE: list = []
