@@ -23,7 +23,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ..keys import KEY_BYTES, BlockKey
 from .aligned import aligned_empty
 from .base import BackendStats, Payload, StorageBackend, StorageError, checksum, given_digests, host_bytes, host_out
 from .copyhash import pread_hash
+from .parallel import BatchWorkers
 
 MAGIC = b"KVCB"
 HEADER = struct.Struct("<4sHxxQQ")  # magic, version, length, checksum
@@ -56,6 +57,7 @@ class PFSBackend(StorageBackend):
         self._base = str(self.base)
         self._dirs: set[str] = set()
         self._stats = BackendStats()
+        self._workers = BatchWorkers()
 
     def path_for(self, key: BlockKey) -> Path:
         return Path(self._file(key))
@@ -70,7 +72,12 @@ class PFSBackend(StorageBackend):
     def put_many(self, items: Sequence[tuple[BlockKey, Payload]],
                  digests: Sequence[int | None] | None = None) -> list[bool]:
         """Each new block summed, written to a temp file and renamed into place; a payload whose sum differs
-        from its given digest changed since it was verified and is refused (never acknowledged)."""
+        from its given digest changed since it was verified and is refused (never acknowledged).
+
+        The sums run ahead on another core (`BatchWorkers.ahead`) while this one writes the payloads;
+        each file's header, which holds the digest, is written after its payload. A lone thread
+        would alternate a pass over the bytes with their write. A temp file is renamed into place
+        only whole, so no reader sees the order it was written in."""
         ok = [False] * len(items)
         given = given_digests(digests, len(items))
         todo: list[tuple[int, str, memoryview]] = []
@@ -87,15 +94,17 @@ class PFSBackend(StorageBackend):
                 todo.append((i, file, view))
                 batch.add(file)
                 room -= view.nbytes
-        for i, file, view in todo:
-            digest = checksum(view)
-            if given[i] is not None and digest != given[i]:  # the caller may drop its own copy on our True
-                self._stats.put_failures += 1
-                self._stats.digest_mismatches += 1
-                continue
+        # summed on another core while this one writes the payload; the digest goes in the header last
+        summed = self._workers.ahead(checksum, [view for _, _, view in todo], sum(v.nbytes for _, _, v in todo))
+        for (i, file, view), digest_of in zip(todo, summed):
             tmp = f"{os.path.dirname(file)}/.{os.path.basename(file)}.{os.urandom(8).hex()}.tmp"
             try:
-                self._write(tmp, view, digest)
+                digest = self._write(tmp, view, digest_of)
+                if given[i] is not None and digest != given[i]:  # the caller may drop its own copy on our True
+                    os.unlink(tmp)
+                    self._stats.put_failures += 1
+                    self._stats.digest_mismatches += 1
+                    continue
                 os.replace(tmp, file)
             except OSError:  # no space, read-only or vanished mount: this block stays a miss
                 try:
@@ -139,24 +148,19 @@ class PFSBackend(StorageBackend):
             results.append(dst)
         return results, verified
 
-    def _write(self, tmp: str, view: memoryview, digest: int) -> None:
-        """A new temp file holding the header and the payload, in one write (continued after a short one)."""
+    def _write(self, tmp: str, view: memoryview, digest_of: Callable[[], int]) -> int:
+        """A new temp file: the payload after the header's place, then the header with `digest_of()`, the
+        payload's digest (summed meanwhile on another core, or already); returns that digest."""
         directory = os.path.dirname(tmp)
         if directory not in self._dirs:
             os.makedirs(directory, exist_ok=True)
             self._dirs.add(directory)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            pieces, offset = [memoryview(HEADER.pack(MAGIC, VERSION, view.nbytes, digest)), view], 0
-            while pieces:
-                wrote = os.pwritev(fd, pieces, offset)
-                if wrote == 0:
-                    raise OSError(errno.ENOSPC, "no space left for the block file")
-                offset += wrote
-                while pieces and wrote >= pieces[0].nbytes:
-                    wrote -= pieces.pop(0).nbytes
-                if wrote:
-                    pieces[0] = pieces[0][wrote:]
+            _write_all(fd, view, HEADER.size)
+            digest = digest_of()
+            _write_all(fd, memoryview(HEADER.pack(MAGIC, VERSION, view.nbytes, digest)), 0)
+            return digest
         finally:
             os.close(fd)
 
@@ -251,3 +255,12 @@ def stored_keys(root: str | Path) -> list[BlockKey]:
         if len(key) == KEY_BYTES:
             out.append(BlockKey(key))
     return out
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """`data` at `offset` of `fd`, continued after a short write."""
+    while data.nbytes:
+        wrote = os.pwrite(fd, data, offset)
+        if wrote == 0:
+            raise OSError(errno.ENOSPC, "no space left for the block file")
+        data, offset = data[wrote:], offset + wrote
