@@ -4,7 +4,7 @@ References: numpy copy (hbm/dram/cxl), raw os.pwrite / os.preadv on the same
 directory (nvme), plain file write+read (pfs), one raw NIXL transfer between the
 same two agents and memory (rdma). pfs and rdma puts also face their reference with
 each block summed first (`*_vs_summed_ref`): such a put must sum what it stores (a
-pfs header, an rdma commit holds the digest a read verifies); the raw reference does not.
+pfs trailer, an rdma commit holds the digest a read verifies); the raw reference does not.
 Two kinds of put: "put", a new block whose digest the backend sums itself, and
 "demote", a block handed down with the digest the tier above verified when it
 read it (`put_many(items, digests)`): how every tier below the top receives

@@ -1,4 +1,4 @@
-"""pfs puts: a block file is whole after the write is cut short anywhere (header or payload), and a payload that
+"""pfs puts: a block file is whole after the write is cut short anywhere (payload or trailer), and a payload that
 differs from its given digest leaves no file at all."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_short_writes_are_continued_to_a_whole_file(tmp_path: Path, monkeypatch:
     data = [np.random.default_rng(i).integers(0, 255, 100_003, dtype=np.uint8) for i in range(2)]
     pfs = PFSBackend(tmp_path, 1 << 30)
     assert pfs.put_many(list(zip(keys, data))) == [True, True]
-    assert len(calls) > 4  # the cut writes were continued (payload and header of each file)
+    assert len(calls) > 4  # the cut writes were continued (payload and trailer of each file)
     monkeypatch.undo()
     assert all(np.array_equal(g, d) for g, d in zip(PFSBackend(tmp_path, 1 << 30).get_many(keys), data))
 
@@ -43,3 +43,20 @@ def test_a_payload_unlike_its_digest_is_refused_and_leaves_no_file(tmp_path: Pat
     assert pfs.put_many(list(zip(keys, data)), [checksum(data[0]), checksum(data[0])]) == [True, False]
     assert pfs.contains(keys) == [True, False] and pfs.stats()["digest_mismatches"] == 1
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [f"{bytes(keys[0]).hex()}.kvb"]
+
+
+def test_the_payload_starts_the_file_and_a_file_with_a_header_first_is_a_miss(tmp_path: Path) -> None:
+    """The payload at offset 0 (page-aligned writes), the trailer after it; a file laid out as before version 4
+    (the same fields as a header before the payload) fails the trailer's checks: a miss, and removed."""
+    import struct
+
+    (key,) = SPACE.chain_hash_ids([5])
+    data = np.random.default_rng(5).integers(0, 255, 8192, dtype=np.uint8)
+    pfs = PFSBackend(tmp_path, 1 << 30)
+    assert pfs.put_many([(key, data)]) == [True]
+    raw = pfs.path_for(key).read_bytes()
+    assert raw[:8192] == data.tobytes()
+    assert struct.unpack("<4sHxxQQ", raw[8192:]) == (b"KVCB", 4, 8192, checksum(data))
+    old = struct.pack("<4sHxxQQ", b"KVCB", 3, 8192, checksum(data)) + data.tobytes()
+    pfs.path_for(key).write_bytes(old)
+    assert pfs.get_many([key]) == [None] and not pfs.path_for(key).exists()
