@@ -59,7 +59,16 @@ def reference():
     return ModelRunner(load_model(MODEL))
 
 
-ENGINE_SUITE_TEST = "tests/test_vllm_engine.py::"
+# tests that wait for a background run (tests/background.py), in the order the runs go: they run last
+BACKGROUND_WAITS = {"engine-suite": "tests/test_vllm_engine.py::", "benchmark-smoke": "tests/test_every_benchmark_runs.py::"}
+
+
+def waits_for(item) -> int:
+    """0 for a test that waits for no background run, else 1 + the run's place in the chain."""
+    for place, prefix in enumerate(BACKGROUND_WAITS.values()):
+        if item.nodeid.startswith(prefix):
+            return 1 + place
+    return 0
 
 
 def drives_ray(item) -> bool:
@@ -69,46 +78,58 @@ def drives_ray(item) -> bool:
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Modules that drive Ray run after the others, the tests on the shared Serve endpoint after them, each group
-    in its usual order, and the wait for the engine suite last.
+    in its usual order, and the waits for the background runs last.
 
-    Why this order: the engine suite runs in the background from the start (tests/engine_suite.py) and
+    Why this order: the engine suite runs in the background from the start (tests/background.py) and
     keeps both cores busy for its first minutes. A test made of many actor round trips waits for a core
     at every hop then (the live replays: 104 s alone, about 240 s beside it), while a test that computes
-    in this process slows far less; so the Ray modules go after, when the engine suite is done or nearly.
+    in this process slows far less; so the Ray modules go after, when the engine suite is done or nearly
+    (and the benchmarks' smoke run, one at a time, takes the core they leave idle).
     The endpoint's tests go last because modules that start a Ray session of their own (multi-node
     clusters, full restarts) end whatever session the process had, and with it the shared endpoint;
     started after them, it lives until the end."""
-    items.sort(key=lambda item: (item.nodeid.startswith(ENGINE_SUITE_TEST),
-                                 "endpoint" in getattr(item, "fixturenames", ()), drives_ray(item)))
+    items.sort(key=lambda item: (waits_for(item), "endpoint" in getattr(item, "fixturenames", ()),
+                                 drives_ray(item)))
 
 
-_ENGINE_SUITE: list = []
+_CHAIN: list = []
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the vLLM engine's suite in the background when this run includes the test that waits for it."""
+    """Start the background runs this session waits for, one after another (tests/background.py).
+
+    The engine suite only where vLLM is not importable here (else tests/vllm_engine is collected directly)
+    and its venv exists; without the venv its waiting test fails with the reason."""
     import importlib.util
 
-    import engine_suite
+    import background
 
-    wanted = not session.config.option.collectonly and any(item.nodeid.startswith(ENGINE_SUITE_TEST)
-                                                          for item in session.items)
-    if wanted and importlib.util.find_spec("vllm") is None and engine_suite.ENGINE_PYTHON.exists():
-        _ENGINE_SUITE.append(engine_suite.start())
+    if session.config.option.collectonly:
+        return
+    included = {name for name, prefix in BACKGROUND_WAITS.items()
+                if any(item.nodeid.startswith(prefix) for item in session.items)}
+    runs = []
+    if ("engine-suite" in included and importlib.util.find_spec("vllm") is None
+            and background.ENGINE_PYTHON.exists()):
+        runs.append(background.engine_suite())
+    if "benchmark-smoke" in included:
+        runs.append(background.benchmark_smoke())
+    if runs:
+        _CHAIN.append(background.Chain(runs))
 
 
 @pytest.fixture(scope="session")
-def engine_suite_run():
-    """The engine suite started at collection, or None when it could not be."""
-    return _ENGINE_SUITE[0] if _ENGINE_SUITE else None
+def background_runs() -> dict:
+    """The background runs started at collection, by name ({} when none was)."""
+    return _CHAIN[0].runs if _CHAIN else {}
 
 
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    for run in _ENGINE_SUITE:  # a run that ended before its test waited for it (-x, Ctrl-C) leaves nothing behind
-        run.stop()
+    for chain in _CHAIN:  # a session that ended before its tests waited (-x, Ctrl-C) leaves nothing behind
+        chain.stop()
     _EXIT_STATUS.append(int(exitstatus))
 
 

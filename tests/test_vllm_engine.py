@@ -5,7 +5,7 @@ cached logits stop matching a cold prefill), so the engine lives in .venv-vllm, 
 builds next to .venv. This test runs that directory there, so `.venv/bin/python -m pytest -q` covers the engine
 too, and fails with the engine run's output when a test there fails, is skipped, or none ran: a broken vLLM
 install must not pass as a skip. The run starts in the background once the session is collected
-(`tests/engine_suite.py`, from `conftest.py`); this test, ordered last, waits for it.
+(`tests/background.py`, from `conftest.py`); this test, ordered last, waits for it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-import engine_suite
+import background
 import pytest
 
 pytestmark = [
@@ -29,10 +29,10 @@ def outcome_counts(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0])}
 
 
-def test_the_vllm_engine_tests_pass_in_their_venv(engine_suite_run) -> None:
-    assert engine_suite.ENGINE_PYTHON.exists(), f"{engine_suite.ENGINE_PYTHON} is missing: run `bash scripts/setup.sh`"
-    assert engine_suite_run is not None, "the engine suite was not started at collection (conftest.py)"
-    returncode, stdout, output = engine_suite_run.wait(ceiling_s=1500)
+def test_the_vllm_engine_tests_pass_in_their_venv(background_runs) -> None:
+    assert background.ENGINE_PYTHON.exists(), f"{background.ENGINE_PYTHON} is missing: run `bash scripts/setup.sh`"
+    assert "engine-suite" in background_runs, "the engine suite was not started at collection (conftest.py)"
+    returncode, stdout, output = background_runs["engine-suite"].wait(ceiling_s=1500)
     counts = outcome_counts(stdout)
     assert returncode == 0, output
     assert counts.get("passed", 0) > 0, output
