@@ -55,10 +55,12 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None, **options):
+def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None,
+           engine_args: dict | None = None, **options):
     """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
-    connector when `tiers` (on a kvcluster cluster with `cluster`; `options`: more connector settings)."""
-    kw = {}
+    connector when `tiers` (on a kvcluster cluster with `cluster`; `options`: more connector settings;
+    `engine_args`: more of vLLM's own)."""
+    kw = dict(engine_args or {})
     if tiers is not None:
         extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {}) | options
         kw["kv_transfer_config"] = {
@@ -550,7 +552,10 @@ def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_sa
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         shutil.copy(tokenizer_dir() / name, tmp_path / name)
-    llm, shared = engine(tmp_path, [{"kind": "dram", "capacity": "16MiB"}])
+    # vLLM's reference MLA backend, asked for by name: on a CPU with AMX vLLM picks its AMX kernels, which take
+    # 16-bit weights only (this float32 model would not load) and keep vLLM's own prefix cache on
+    llm, shared = engine(tmp_path, [{"kind": "dram", "capacity": "16MiB"}],
+                         engine_args={"attention_config": {"backend": "CPU_MLA"}})
     block_tokens = llm.llm_engine.vllm_config.cache_config.block_size
     latent = layout_for(load_model_spec(str(tmp_path / "config.json")), block_tokens, "fp32")
     assert latent.kind == "latent" and shared.local.tiered.block_bytes == latent.nbytes()
