@@ -56,6 +56,13 @@ def test_every_path_gives_the_numpy_digest(n: int, tmp_path: Path) -> None:
         assert copyhash._pread_hash_py(fd, np.empty(n, dtype=np.uint8), 4) == (n, want)
     finally:
         os.close(fd)
+    for write, name in ((copyhash.pwrite_hash, "native"), (copyhash._pwrite_hash_py, "numpy")):
+        fd = os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            assert write(fd, data, 5) == (n, want)  # at an offset, across several 256 KiB chunks for the largest
+        finally:
+            os.close(fd)
+        assert (tmp_path / name).read_bytes() == (bytes(5) + data.tobytes() if n else b"")  # nothing to write
 
 
 @settings(max_examples=200, deadline=None)
@@ -79,12 +86,13 @@ def test_the_portable_kernel_agrees_with_the_avx2_one() -> None:
     code = ("import numpy as np; from kvcluster.storage import copyhash as c; "
             "d = np.random.default_rng(5).integers(0, 256, 1_000_003, dtype=np.uint8); "
             "print(c.KERNEL, c.hash_bytes(d), c.copy_hash(np.empty_like(d), d), "
-            "c.hash_segments(np.split(d, [5, 4096, 500_001])))")
+            "c.hash_segments(np.split(d, [5, 4096, 500_001])), "
+            "c.pwrite_hash(__import__('os').open('/dev/null', 1), d, 0)[1])")
     env = {**os.environ, "KVCLUSTER_NATIVE_KERNEL": "base"}
-    kernel, a, b, c = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                     check=True).stdout.split()
+    kernel, a, b, c, d = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                        check=True).stdout.split()
     want = copyhash._hash_py(random_bytes(1_000_003, 5))
-    assert kernel == "base" and int(a) == int(b) == int(c) == want
+    assert kernel == "base" and int(a) == int(b) == int(c) == int(d) == want
 
 
 @settings(max_examples=100, deadline=None)
@@ -112,6 +120,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         copyhash.copy_hash(np.empty(4, dtype=np.uint8), b"12345")
     with pytest.raises(OSError):
         copyhash.pread_hash(-1, np.empty(4, dtype=np.uint8), 0)
+    with pytest.raises(OSError):
+        copyhash.pwrite_hash(-1, b"1234", 0)
     with pytest.raises(TypeError):
         copyhash.copy_hash(b"read-only", b"x")
 

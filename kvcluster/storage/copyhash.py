@@ -19,12 +19,13 @@ mod 2^64: paired opposite flips of the same high bit in one lane a power-of-two
 distance apart. ZFS's default data checksum (fletcher4) is of this family.
 
 The native module (`_copyhash`, built by setup.py from `native/`) fuses the sums
-into the copy and into 256 KiB file reads, with the GIL released. Without
+into the copy and into 256 KiB file reads and writes, with the GIL released. Without
 it (no C compiler at install time) numpy computes the same digests, slower. `KERNEL` says which runs: "avx2", "base" (native, no AVX2) or "python".
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -96,6 +97,17 @@ def _pread_hash_py(fd: int, dst, offset: int) -> tuple[int, int]:
     return done, _hash_py(view[:done])
 
 
+def _pwrite_hash_py(fd: int, src, offset: int) -> tuple[int, int]:
+    view = memoryview(src).cast("B")
+    done = 0
+    while done < view.nbytes:
+        wrote = os.pwrite(fd, view[done:], offset + done)
+        if wrote == 0:
+            raise OSError(errno.EIO, "pwrite_hash: the file took no bytes")
+        done += wrote
+    return done, _hash_py(view)
+
+
 hash_bytes = _native.hash if _native is not None else _hash_py
 """hash_bytes(src) -> the fletcher64x4 digest of a contiguous buffer's bytes."""
 
@@ -108,6 +120,10 @@ scattered (an engine's pages of it, one per layer) is verified where it landed, 
 
 pread_hash = _native.pread_hash if _native is not None else _pread_hash_py
 """pread_hash(fd, dst, offset) -> (bytes read, digest of them); OSError on a read error."""
+
+pwrite_hash = _native.pwrite_hash if _native is not None else _pwrite_hash_py
+"""pwrite_hash(fd, src, offset) -> (bytes written, digest of src): each 256 KiB summed right before its write,
+while it is in cache; OSError on a write error (how much of the file was written is then unknown)."""
 
 
 def tensor_hashes(views) -> list[int]:

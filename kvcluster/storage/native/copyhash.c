@@ -1,4 +1,4 @@
-/* kvcluster.storage._copyhash: copy and read with the tiers' checksum computed on the way.
+/* kvcluster.storage._copyhash: copy, read and write with the tiers' checksum computed on the way.
  *
  * Every function takes buffer-protocol objects (numpy arrays, memoryviews, mmaps),
  * releases the GIL while it works, and returns fletcher64x4 digests (see kernel.h)
@@ -16,11 +16,13 @@
 uint64_t kvc_hash_base(const void *, size_t);
 uint64_t kvc_copy_hash_base(void *, const void *, size_t);
 ptrdiff_t kvc_pread_hash_base(int, void *, size_t, int64_t, uint64_t *);
+ptrdiff_t kvc_pwrite_hash_base(int, const void *, size_t, int64_t, uint64_t *);
 uint64_t kvc_hash_segments_base(const void *const *, const size_t *, size_t);
 #if defined(__x86_64__) && defined(__GNUC__)
 uint64_t kvc_hash_avx2(const void *, size_t);
 uint64_t kvc_copy_hash_avx2(void *, const void *, size_t);
 ptrdiff_t kvc_pread_hash_avx2(int, void *, size_t, int64_t, uint64_t *);
+ptrdiff_t kvc_pwrite_hash_avx2(int, const void *, size_t, int64_t, uint64_t *);
 uint64_t kvc_hash_segments_avx2(const void *const *, const size_t *, size_t);
 #endif
 
@@ -29,10 +31,12 @@ typedef struct {
     uint64_t (*hash)(const void *, size_t);
     uint64_t (*copy_hash)(void *, const void *, size_t);
     ptrdiff_t (*pread_hash)(int, void *, size_t, int64_t, uint64_t *);
+    ptrdiff_t (*pwrite_hash)(int, const void *, size_t, int64_t, uint64_t *);
     uint64_t (*hash_segments)(const void *const *, const size_t *, size_t);
 } Kernel;
 
-static Kernel kernel = {"base", kvc_hash_base, kvc_copy_hash_base, kvc_pread_hash_base, kvc_hash_segments_base};
+static Kernel kernel = {"base", kvc_hash_base, kvc_copy_hash_base, kvc_pread_hash_base, kvc_pwrite_hash_base,
+                        kvc_hash_segments_base};
 
 static PyObject *py_hash(PyObject *self, PyObject *arg) {
     Py_buffer src;
@@ -85,6 +89,20 @@ static PyObject *py_pread_hash(PyObject *self, PyObject *args) {
     return io_result(n, digest);
 }
 
+static PyObject *py_pwrite_hash(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer src;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "iy*L:pwrite_hash", &fd, &src, &offset)) return NULL;
+    uint64_t digest = 0;
+    ptrdiff_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = kernel.pwrite_hash(fd, src.buf, (size_t)src.len, (int64_t)offset, &digest);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    return io_result(n, digest);
+}
+
 static PyObject *py_hash_segments(PyObject *self, PyObject *arg) {
     PyObject *seq = PySequence_Fast(arg, "hash_segments: expects a sequence of buffers");
     if (seq == NULL) return NULL;
@@ -125,6 +143,8 @@ static PyMethodDef methods[] = {
      "hash_segments(buffers) -> the digest of the buffers' bytes as if they were one buffer, in order."},
     {"pread_hash", py_pread_hash, METH_VARARGS,
      "pread_hash(fd, dst, offset) -> (bytes_read, digest of those bytes); OSError on a read error."},
+    {"pwrite_hash", py_pwrite_hash, METH_VARARGS,
+     "pwrite_hash(fd, src, offset) -> (bytes written, digest of src); OSError on a write error."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -135,7 +155,8 @@ PyMODINIT_FUNC PyInit__copyhash(void) {
     __builtin_cpu_init();
     const char *forced = getenv("KVCLUSTER_NATIVE_KERNEL");
     if (__builtin_cpu_supports("avx2") && !(forced != NULL && strcmp(forced, "base") == 0))
-        kernel = (Kernel){"avx2", kvc_hash_avx2, kvc_copy_hash_avx2, kvc_pread_hash_avx2, kvc_hash_segments_avx2};
+        kernel = (Kernel){"avx2", kvc_hash_avx2, kvc_copy_hash_avx2, kvc_pread_hash_avx2, kvc_pwrite_hash_avx2,
+                          kvc_hash_segments_avx2};
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", kernel.name) < 0) {
