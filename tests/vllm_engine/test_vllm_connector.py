@@ -75,10 +75,12 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
     return llm, (new[0] if new else None)
 
 
-def generate(llm, prompt: list[int] = PROMPT) -> tuple[list[int], list[float], int]:
-    """Greedy tokens, their log-probabilities and the prompt tokens the engine did not compute."""
+def generate(llm, prompt: list[int] = PROMPT, salt: str = "") -> tuple[list[int], list[float], int]:
+    """Greedy tokens, their log-probabilities and the prompt tokens the engine did not compute (for the tenant
+    `salt`, "": a request that names none)."""
     params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    request = {"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt else {})
+    out = llm.generate([request], params, use_tqdm=False)[0]
     tokens = list(out.outputs[0].token_ids)
     return tokens, [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)], out.num_cached_tokens
 
@@ -469,10 +471,11 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     """An engine on n0 saves two prompts' blocks: the control plane places them in n0's dram tier actor. A fresh
     engine on n1 is told by the cluster's index that all 4 of the first are held and reads them from n0's dram
     over NIXL, giving vLLM's own output bit for bit, the blocks written over NIXL straight into its paged KV;
-    its use copies them to n1's dram. A block of the second prompt that rots in n0's memory fails its checksum
-    in the pages it landed in: that block and the ones after it are recomputed. With n1's tier actor killed, an
-    engine on n0 is promised the first prompt's blocks by the index (n0's own copies dropped behind its back),
-    cannot load them, and recomputes: the same tokens."""
+    its use copies them to n1's dram; the same prompt for another tenant (`cache_salt`) loads none of them. A
+    block of the second prompt that rots in n0's memory fails its checksum in the pages it landed in: that block
+    and the ones after it are recomputed. With n1's tier actor killed, an engine on n0 is promised the first
+    prompt's blocks by the index (n0's own copies dropped behind its back), cannot load them, and recomputes: the
+    same tokens."""
     import ray
 
     from kvcluster.actors.index_actor import NAMESPACE
@@ -504,6 +507,9 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
     assert shared.store.counters["nixl_blocks"] == 4  # straight from n0's slab ...
     assert shared.store.counters["nixl_in_place"] == 4  # ... into the engine's paged KV (registered with NIXL)
+    llm.reset_prefix_cache()  # from here only kvcluster could answer a prefix
+    assert generate(llm, salt="tenant-b")[2] == 0  # another tenant: the index lists none of its keys
+    assert (shared.loaded_blocks, shared.failed_blocks) == (4, 0)
     llm.reset_prefix_cache()
     assert generate(llm) == warm  # now from its own dram: the blocks were promoted there as they landed
     assert (shared.loaded_blocks, shared.store.counters["nixl_blocks"], shared.store.counters["hbm"]) == (8, 4, 4)
