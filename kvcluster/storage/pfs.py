@@ -80,7 +80,7 @@ class PFSBackend(StorageBackend):
 
         Each payload is summed 256 KiB at a time right before that chunk's write (`pwrite_hash`), so the
         write copies bytes the sum just brought into cache: one pass over memory, no thread hand-off (which
-        cost a 4 MiB put a fifth of its time). A batch of >= PARALLEL_MIN_BYTES spreads its files over the
+        cost a 4 MiB put about a sixth of its time). A batch of >= PARALLEL_MIN_BYTES spreads its files over the
         cores (`BatchWorkers.drain`). A temp file is renamed into place only whole, so no reader sees the
         order it was written in."""
         ok = [False] * len(items)
