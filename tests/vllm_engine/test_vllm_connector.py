@@ -60,7 +60,7 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
     """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
     connector when `tiers` (on a kvcluster cluster with `cluster`; `options`: more connector settings;
     `engine_args`: more of vLLM's own)."""
-    kw = dict(engine_args or {})
+    kw = {"dtype": "float32"} | dict(engine_args or {})
     if tiers is not None:
         extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {}) | options
         kw["kv_transfer_config"] = {
@@ -68,7 +68,7 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
             "kv_connector_module_path": "kvcluster.integrations.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     before = set(engine_stores())
-    llm = vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+    llm = vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, seed=0,
                    enable_prefix_caching=True, max_model_len=2048, **kw)
     new = [s for e, s in engine_stores().items() if e not in before]
     assert len(new) == (0 if tiers is None else 1)
@@ -544,11 +544,23 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     close(llm)
 
 
-def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_same_tokens(tmp_path) -> None:
+def amx() -> bool:
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@pytest.mark.parametrize("backend,dtype,tolerance", [
+    ("CPU_MLA", "fp32", 1e-4),  # vLLM's reference MLA kernels, on any CPU
+    pytest.param("AMX_MLA", "bf16", 2e-2, marks=pytest.mark.skipif(not amx(), reason="the CPU has no AMX")),
+])
+def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_same_tokens(
+        tmp_path, backend: str, dtype: str, tolerance: float) -> None:
     """DeepSeek-V3's attention (MLA) under vLLM: its paged KV is the compressed latent (kv_lora_rank + the roped
     key part, one "head"), and that is what kvcluster's blocks hold, byte for byte the size kvcluster's own layout
-    gives the latent. vLLM's CPU build turns its own prefix cache off for MLA, so a second request's prefix can
-    only come from kvcluster: every full block of it does, and the greedy tokens equal the cold ones."""
+    gives the latent. With vLLM's own prefix cache emptied (its reference kernels keep it off for MLA anyway), a
+    second request's prefix can only come from kvcluster: every full block of it does, and the greedy tokens equal
+    the cold ones. On a CPU with AMX, vLLM picks its AMX kernels for 16-bit weights: the same, in bf16."""
     from kvcluster.model_spec import load_model_spec
     from kvcluster.storage.layout import layout_for
 
@@ -558,19 +570,21 @@ def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_sa
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         shutil.copy(tokenizer_dir() / name, tmp_path / name)
-    # vLLM's reference MLA backend, asked for by name: on a CPU with AMX vLLM picks its AMX kernels, which take
-    # 16-bit weights only (this float32 model would not load) and keep vLLM's own prefix cache on
+    # the backend asked for by name: the AMX kernels take 16-bit weights only, and vLLM picks them where it can
     llm, shared = engine(tmp_path, [{"kind": "dram", "capacity": "16MiB"}],
-                         engine_args={"attention_config": {"backend": "CPU_MLA"}})
+                         engine_args={"attention_config": {"backend": backend},
+                                      "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]})
     block_tokens = llm.llm_engine.vllm_config.cache_config.block_size
-    latent = layout_for(load_model_spec(str(tmp_path / "config.json")), block_tokens, "fp32")
+    latent = layout_for(load_model_spec(str(tmp_path / "config.json")), block_tokens, dtype)
     assert latent.kind == "latent" and shared.local.tiered.block_bytes == latent.nbytes()
-    assert latent.nbytes() == 3 * block_tokens * (512 + 64) * 4  # layers x tokens x latent x fp32: no K, no V
+    # layers x tokens x latent x element: no K, no V
+    assert latent.nbytes() == 3 * block_tokens * (512 + 64) * {"fp32": 4, "bf16": 2}[dtype]
     cold = generate(llm)
     shared.wait_saved()
+    llm.reset_prefix_cache()
     warm = generate(llm)
     blocks = (len(PROMPT) - 1) // block_tokens
-    assert cold[2] == 0 and warm[2] == blocks * block_tokens  # all from kvcluster: vLLM's own cache is off
+    assert cold[2] == 0 and warm[2] == blocks * block_tokens  # all from kvcluster
     assert (shared.saved_blocks, shared.loaded_blocks, shared.failed_blocks) == (blocks, blocks, 0)
-    assert warm[0] == cold[0] and warm[1] == pytest.approx(cold[1], abs=1e-4)
+    assert warm[0] == cold[0] and warm[1] == pytest.approx(cold[1], abs=tolerance)
     close(llm)
