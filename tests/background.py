@@ -6,7 +6,7 @@ other they leave a core idle for minutes. Why one after the other: the engine su
 both cores busy for its first minutes, and the smoke run fills the core the main suite's
 Ray modules leave idle once it has ended. `conftest.py` starts the chain once the session
 is collected, when the run includes the test that waits for each run
-(`tests/test_vllm_engine.py`, `tests/test_benchmark_smoke.py`, ordered last); a session
+(`tests/test_vllm_engine.py`, `tests/test_every_benchmark_runs.py`, ordered last); a session
 that ends first stops the chain with everything it started.
 """
 
@@ -41,20 +41,29 @@ class BackgroundRun:
     started: threading.Event = field(default_factory=threading.Event)
     began: float = 0.0
     scratch: Path | None = None
+    failed_to_start: str | None = None
 
     def start(self) -> None:
+        """Starts the command; a command that cannot start (no such interpreter) is recorded, for `wait` to
+        report at once rather than after its ceiling."""
         self.scratch = Path(tempfile.mkdtemp(prefix=f"kvc-{self.name}-"))
-        with open(self.scratch / "run.out", "w") as stdout, open(self.scratch / "run.err", "w") as stderr:
-            self.process = subprocess.Popen(list(self.command), cwd=REPO, env={**os.environ, **self.env},
-                                            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+        try:
+            with open(self.scratch / "run.out", "w") as stdout, open(self.scratch / "run.err", "w") as stderr:
+                self.process = subprocess.Popen(list(self.command), cwd=REPO, env={**os.environ, **self.env},
+                                                stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            self.failed_to_start = f"{self.name}: {' '.join(self.command)} could not start: {exc}"
         self.began = time.monotonic()
         self.started.set()
 
     def wait(self, ceiling_s: float) -> tuple[int, str, str]:
-        """(exit status, stdout, stdout + stderr) once the run has ended; TimeoutError past `ceiling_s` from its
-        start (not from this call: the main suite ran beside it meanwhile), or when it never started."""
-        if not self.started.wait(timeout=ceiling_s) or self.process is None:
+        """(exit status, stdout, stdout + stderr) once the run has ended. subprocess.TimeoutExpired past
+        `ceiling_s` from its start (not from this call: the main suite ran beside it meanwhile); TimeoutError
+        when it never started, RuntimeError when it could not."""
+        if not self.started.wait(timeout=ceiling_s):
             raise TimeoutError(f"{self.name}: never started (the run before it in the chain did not end)")
+        if self.process is None:
+            raise RuntimeError(self.failed_to_start or f"{self.name}: stopped before it started")
         code = self.process.wait(timeout=max(1.0, self.began + ceiling_s - time.monotonic()))
         stdout = (self.scratch / "run.out").read_text(errors="replace")
         stderr = (self.scratch / "run.err").read_text(errors="replace")
@@ -86,7 +95,8 @@ class Chain:
                 if self._stopped.is_set():
                     return
                 run.start()
-            run.process.wait()
+            if run.process is not None:
+                run.process.wait()
 
     def stop(self) -> None:
         """No run starts any more; the one going is stopped with what it started."""

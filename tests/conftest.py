@@ -60,7 +60,8 @@ def reference():
 
 
 # tests that wait for a background run (tests/background.py), in the order the runs go: they run last
-BACKGROUND_WAITS = {"engine-suite": "tests/test_vllm_engine.py::", "benchmark-smoke": "tests/test_every_benchmark_runs.py::"}
+BACKGROUND_WAITS = {"engine-suite": "tests/test_vllm_engine.py::",
+                    "benchmark-smoke": "tests/test_every_benchmark_runs.py::"}
 
 
 def waits_for(item) -> int:
