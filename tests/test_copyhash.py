@@ -23,6 +23,7 @@ from kvcluster.storage.parallel import BatchWorkers
 import torch
 
 from kvcluster.storage import NixlPeerPool, RDMABackend
+from kvcluster.storage import rdma
 from kvcluster.storage.rdma import _agent, progress_delay_us, rdma_lanes
 
 SPACE = KeySpace(model="copyhash-test")
@@ -126,6 +127,62 @@ def test_bad_arguments_are_clear_errors() -> None:
         copyhash.copy_hash(b"read-only", b"x")
 
 
+@pytest.mark.parametrize("make", [copyhash.hash_in_background, copyhash._SumsDone], ids=["native", "portable"])
+def test_background_sums_give_each_buffers_digest_in_order(make) -> None:
+    buffers = [random_bytes(n, seed=n) for n in LENGTHS]
+    job = make(buffers)
+    assert job.wait() == [copyhash._hash_py(b) for b in buffers] == job.wait()  # asked twice: the same list
+    assert make([]).wait() == []
+
+
+def test_background_sums_let_go_of_their_buffers_once_waited_for_or_freed() -> None:
+    held = bytearray(random_bytes(1 << 20).tobytes())
+    job = copyhash.hash_in_background([held])
+    with pytest.raises(BufferError):
+        held.extend(b"x")  # the summing thread may still read it: it cannot move
+    assert job.wait() == [copyhash._hash_py(bytes(held))]
+    held.extend(b"x")  # released by wait
+    unwaited = copyhash.hash_in_background([held])
+    del unwaited  # freed before anyone waited: it finishes reading, then lets go
+    held.extend(b"y")
+    with pytest.raises(TypeError):
+        copyhash.hash_in_background([held, 7])  # not a buffer: a clear error, and the buffers taken are let go
+    held.extend(b"z")
+
+
+def test_background_sums_from_many_threads_each_get_their_own() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(seed: int) -> bool:
+        buffers = [random_bytes(70_000 + seed, seed=seed), random_bytes(33, seed=seed + 1)]
+        return copyhash.hash_in_background(buffers).wait() == [copyhash._hash_py(b) for b in buffers]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, range(40)))
+
+
+def test_a_forked_child_sums_in_the_background_too(tmp_path: Path) -> None:
+    """The summing thread does not survive a fork: the child starts its own instead of waiting on the parent's,
+    and sums a job its parent had queued itself."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, sys\n"
+        "from kvcluster.storage import copyhash\n"
+        "data = [bytes(range(256)) * 4096]\n"
+        "want = [copyhash._hash_py(data[0])]\n"
+        "assert copyhash.hash_in_background(data).wait() == want  # the parent's thread is up\n"
+        "pending = copyhash.hash_in_background(data * 64)  # queued, maybe being summed, as the fork comes\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    fresh = copyhash.hash_in_background(data).wait() == want\n"
+        "    os._exit(0 if fresh and pending.wait() == want * 64 else 3)\n"
+        "assert pending.wait() == want * 64\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "child 0" in run.stdout, run.stderr[-2000:]
+
+
 def test_batch_workers_start_and_ahead_keep_order() -> None:
     workers = BatchWorkers(2)
     assert workers.worth(1 << 20) and not workers.worth(1000) and not BatchWorkers(1).worth(1 << 30)
@@ -191,6 +248,8 @@ def test_rdma_wakes_a_second_lane_only_for_a_large_batch() -> None:
     assert client._lanes([1 << 19] * 3, 2) == 1  # 1.5 MiB: one lane's worth
     assert client._lanes([1 << 20] * 2, 2) == 2
     assert client._lanes([1 << 20] * 8, 8) == 2  # no more than its agents
+    assert client._lanes([1 << 20] * 4, 4, rdma.WRITE_LANE_MIN_BYTES) == 1  # a 4 MiB write: one lane
+    assert client._lanes([1 << 20] * 16, 16, rdma.WRITE_LANE_MIN_BYTES) == 2
 
 
 def test_rdma_lanes_setting(monkeypatch) -> None:
@@ -233,11 +292,37 @@ def test_rdma_lanes_share_a_large_batch_and_catch_corruption_in_any_chunk() -> N
     assert client.stats()["extra"] == {"direct_writes": 1, "direct_reads": 2}
 
 
+def test_rdma_sums_a_large_put_on_the_summing_thread_and_commits_those_digests(monkeypatch) -> None:
+    """New blocks of a batch from SUMS_AHEAD_MIN_BYTES on are summed in the background while they move; small
+    batches and demotions (digests given) are not handed off. Each block commits its own digest either way."""
+    ks, data = big_batch(6, block=1 << 20, salt="ahead")
+    pool, client, source, _ = _lanes_client("ahead-client", 6, 1 << 20)
+    client._cores = 2  # the background path even on a 1-core runner
+    handed = []
+
+    def recording(buffers):
+        handed.append(len(buffers))
+        return copyhash.hash_in_background(buffers)
+
+    monkeypatch.setattr(rdma, "hash_in_background", recording)
+    for row, d in zip(source.numpy(), data):
+        row[:] = d
+    rows = list(source.numpy())
+    assert client.put_many(list(zip(ks[:2], rows[:2]))) == [True] * 2 and handed == []  # 2 MiB: inline
+    assert client.put_many(list(zip(ks[2:], rows[2:])), [checksum(d) for d in data[2:]]) == [True] * 4
+    assert handed == []  # a demotion's digests are known: nothing to sum
+    client.delete(ks)
+    given = [None, checksum(data[1]), None, None, None, None]
+    assert client.put_many(list(zip(ks, rows)), given) == [True] * 6 and handed == [5]  # the 5 new ones
+    assert [e[2] for e in pool.lookup([bytes(k) for k in ks])] == [checksum(d) for d in data]
+
+
 def test_rdma_lanes_share_staged_batches_too(monkeypatch) -> None:
     """Buffers outside registered memory go through the staging buffer, part by part, each part over both lanes."""
     ks, data = big_batch(6, block=1 << 20, salt="lanes-staged")
     pool = NixlPeerPool(8, 1 << 20, name="lanes-staged-pool")
     client = RDMABackend(pool, 4 << 20, 8, name="lanes-staged", lanes=2)  # 4 blocks per staging part
+    monkeypatch.setattr(rdma, "WRITE_LANE_MIN_BYTES", 1 << 20)  # writes of a 4 MiB part over both lanes
     used = []
     real = client._transfer
 
@@ -303,6 +388,7 @@ def test_exit_with_live_agents_is_clean(tmp_path: Path) -> None:
 def test_a_failed_lane_makes_the_whole_batch_a_miss(op: str, monkeypatch) -> None:
     ks, data = big_batch(4, block=1 << 20, salt=f"lane-fail-{op}")
     pool, client, source, landing = _lanes_client(f"lane-fail-{op.lower()}", 4, 1 << 20)
+    monkeypatch.setattr(rdma, "WRITE_LANE_MIN_BYTES", 1 << 20)  # a 4 MiB write over both lanes
     for row, d in zip(source.numpy(), data):
         row[:] = d
     if op == "READ":

@@ -108,6 +108,16 @@ def _pwrite_hash_py(fd: int, src, offset: int) -> tuple[int, int]:
     return done, _hash_py(view)
 
 
+class _SumsDone:
+    """`hash_in_background`'s job where there is no native thread: the digests are summed when it is made."""
+
+    def __init__(self, buffers) -> None:
+        self._digests = [_hash_py(b) for b in buffers]
+
+    def wait(self) -> list[int]:
+        return list(self._digests)
+
+
 hash_bytes = _native.hash if _native is not None else _hash_py
 """hash_bytes(src) -> the fletcher64x4 digest of a contiguous buffer's bytes."""
 
@@ -117,6 +127,11 @@ copy_hash = _native.copy_hash if _native is not None else _copy_hash_py
 hash_segments = _native.hash_segments if _native is not None else _hash_segments_py
 """hash_segments(buffers) -> the digest of the buffers' bytes as one buffer, in order: a block that lies
 scattered (an engine's pages of it, one per layer) is verified where it landed, never gathered to be summed."""
+
+hash_in_background = _native.hash_in_background if _native is not None else _SumsDone
+"""hash_in_background(buffers) -> job; job.wait() -> their digests, in order. The native job sums on a thread of
+its own that never takes the GIL, so the caller goes on (a transfer of the same bytes) and pays no hand-off;
+the buffers stay held until `wait`. Without the native module the sums are done before it returns."""
 
 pread_hash = _native.pread_hash if _native is not None else _pread_hash_py
 """pread_hash(fd, dst, offset) -> (bytes read, digest of them); OSError on a read error."""

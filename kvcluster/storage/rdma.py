@@ -32,7 +32,7 @@ from ..keys import BlockKey
 from .aligned import aligned_empty
 from .base import (BackendStats, Payload, PeerUnavailable, StorageBackend, StorageError, checksum, given_digests,
                    host_bytes)
-from .copyhash import copy_hash, hash_segments, tensor_hashes
+from .copyhash import copy_hash, hash_in_background, hash_segments, tensor_hashes
 from .parallel import BatchWorkers, default_workers
 from .slab import SlotTable
 
@@ -61,6 +61,13 @@ RESERVATION_TTL_S = 120.0  # a reserved slot nobody committed is free again afte
 
 
 LANE_MIN_BYTES = 1 << 20  # a lane is woken per this much of a batch: less is not worth a thread handoff (40-75 us)
+# writes: a lane per this much. Where the CPU copies, a second transfer at 4 MiB cost more than it shared (demotes
+# at 0.70-0.80 of a raw transfer over 2 lanes, 0.80-0.85 over 1); at 16 MiB 2 lanes won (1.0-1.3 against 0.91-0.97)
+WRITE_LANE_MIN_BYTES = 8 << 20
+# a put sums its new blocks on the summing thread from this much (`_sums_ahead`). Measured against summing each
+# just before its write, on 2 cores: 1 and 2 MiB 0.41-0.42 / 0.54-0.56 of a raw transfer against 0.45 / 0.57-0.58
+# (the hand-off costs what it hides), 4 MiB 0.69-0.71 against 0.60-0.61, 8 MiB 0.77-0.78 against 0.62-0.64
+SUMS_AHEAD_MIN_BYTES = 4 << 20
 CHUNK_BYTES = 1 << 20  # a batch moves in transfers of about this size, each summed while in cache
 PROGRESS_DELAY_US = 100  # default pause of an agent's progress thread between idle polls
 MAX_DEFAULT_LANES = 2
@@ -407,6 +414,7 @@ class RDMABackend(StorageBackend):
         self.medium = f"peer DRAM pool via NIXL UCX over {transport}"
         self._stats = BackendStats()
         self._workers = BatchWorkers(lanes)  # lane g > 0 runs on a pool thread
+        self._cores = default_workers()  # where the summing thread can run beside the caller
         _OPEN.add(self)
 
     def close(self) -> None:
@@ -530,9 +538,9 @@ class RDMABackend(StorageBackend):
             except Exception:  # noqa: BLE001 - a handle of a vanished peer may not release cleanly
                 pass
 
-    def _lanes(self, lengths: Sequence[int], chunks: int) -> int:
-        """Lanes worth waking for a batch: each gets at least LANE_MIN_BYTES of it (at least one lane)."""
-        return max(1, min(len(self._agents), chunks, sum(lengths) // LANE_MIN_BYTES))
+    def _lanes(self, lengths: Sequence[int], chunks: int, min_bytes: int = LANE_MIN_BYTES) -> int:
+        """Lanes worth waking for a batch: each gets at least `min_bytes` of it (at least one lane)."""
+        return max(1, min(len(self._agents), chunks, sum(lengths) // min_bytes))
 
     def _read_lanes(self, lengths: Sequence[int], pieces: Sequence[list[tuple[int, int, int]]],
                     verify: Callable[[int], bool], mem: str = "DRAM", device: int = 0) -> list[bool]:
@@ -554,22 +562,43 @@ class RDMABackend(StorageBackend):
         return [good for chunk in moved for good in chunk]
 
     def _write_lanes(self, lengths: Sequence[int], local: Sequence[int], slots: Sequence[int],
-                     digest: Callable[[int], int], mem: str = "DRAM", device: int = 0) -> list[int]:
+                     digest: Callable[[int], int | None] | None, mem: str = "DRAM", device: int = 0
+                     ) -> list[int | None]:
         """Blocks k = 0.. written from local addresses `local[k]` to the peer's `slots[k]`; their digests.
 
-        Chunked and spread over the lanes like reads; `digest(k)` runs just before its chunk's
-        write (a sum, or the staging copy that sums), which leaves the bytes in cache for it."""
-        chunks = _groups(lengths, CHUNK_BYTES)
+        Chunked and spread over the lanes like reads (a lane per WRITE_LANE_MIN_BYTES); `digest(k)`
+        runs just before its chunk's write (a sum, or the staging copy that sums), which leaves the
+        bytes in cache for it. With `digest` None the digests are known or summed elsewhere (None
+        each here), and a batch moving over one lane goes as one transfer: chunks only serve lanes."""
+        lanes = self._lanes(lengths, len(_groups(lengths, CHUNK_BYTES)), WRITE_LANE_MIN_BYTES)
+        chunks = _groups(lengths, CHUNK_BYTES) if digest is not None or lanes > 1 else [range(len(lengths))]
 
-        def move(g: int, c: int) -> list[int]:
+        def move(g: int, c: int) -> list[int | None]:
             part = chunks[c]
-            digests = [digest(k) for k in part]
+            digests = [digest(k) if digest is not None else None for k in part]
             self._transfer("WRITE", [p for k in part for p in self._pieces([(local[k], lengths[k])], slots[k])], g,
                            mem, device)
             return digests
 
-        moved = self._workers.drain(move, len(chunks), self._lanes(lengths, len(chunks)))
+        moved = self._workers.drain(move, len(chunks), min(lanes, len(chunks)))
         return [d for chunk in moved for d in chunk]
+
+    def _sums_ahead(self, views: Sequence, todo: Sequence[int]) -> dict[int, Callable[[], int]]:
+        """Digests of host blocks `views[k]`, k in `todo`, summed on a native thread while the caller moves them.
+
+        Why: a transfer and a sum only read the payload, so neither waits for the other; only
+        the commit needs the digests. Over a NIC the transfer costs the CPU nothing and the sums
+        hide behind it; where the CPU moves the bytes itself (UCX over shared memory or TCP) they
+        run on another core. The thread never takes the GIL (`hash_in_background`): a Python
+        pool thread cost the put a wake-up and GIL hand-offs of ~100 us before its transfer
+        started, a quarter of a 4 MiB transfer (docs/tiers.md). Empty (summed inline, each just
+        before its write) below SUMS_AHEAD_MIN_BYTES, for device memory (summed on its device) and
+        on one core."""
+        host = [k for k in todo if not isinstance(views[k], torch.Tensor)]
+        if self._cores < 2 or sum(views[k].nbytes for k in host) < SUMS_AHEAD_MIN_BYTES:
+            return {}
+        job = hash_in_background([views[k] for k in host])
+        return {k: (lambda j=j: job.wait()[j]) for j, k in enumerate(host)}
 
     def _batches(self, lengths: Sequence[int]):
         """Split a batch so each part fits in the staging buffer."""
@@ -592,11 +621,12 @@ class RDMABackend(StorageBackend):
                  digests: Sequence[int | None] | None = None) -> list[bool]:
         """One reserve, the NIXL writes, one commit per part of the batch; nothing uncommitted is ever read.
 
-        Payloads inside registered memory go straight from there in one part, summed just before
-        their write unless their digest is given (then the bytes are read once, by the transfer,
-        as a NIC would); others are copied into the staging buffer (summed in the copy, and not
-        committed if that differs from a given digest), as many parts as it takes. A reservation
-        never committed is free again at the peer after RESERVATION_TTL_S."""
+        Payloads inside registered memory go straight from there in one part, summed while the
+        control call and the transfer run (`_sums_ahead`; a small batch just before each write)
+        unless their digest is given (then the bytes are read once, by the transfer, as a NIC
+        would); others are copied into the staging buffer (summed in the copy, and not committed
+        if that differs from a given digest), as many parts as it takes. A reservation never
+        committed is free again at the peer after RESERVATION_TTL_S."""
         given = given_digests(digests, len(items))
         views = [_flat_bytes(d) for _, d in items]
         keys = [bytes(k) for k, _ in items]
@@ -604,41 +634,61 @@ class RDMABackend(StorageBackend):
         direct = self._registered(views, lengths)
         if direct is None:  # staged: device payloads come to the host first
             views = [host_bytes(v) for v in views]
+        ahead = {} if direct is None else self._sums_ahead(views, [i for i, d in enumerate(given) if d is None])
         ok = [False] * len(keys)
-        for lo, hi in [(0, len(keys))] if direct is not None else self._batches(lengths):
-            try:
-                slots = self.peer.reserve(keys[lo:hi], lengths[lo:hi])
-            except PeerUnavailable:
-                break
-            picked = [i for i, slot in zip(range(lo, hi), slots) if slot is not None]
-            sizes = [lengths[i] for i in picked]
-            offsets, local = self._staged(sizes) if direct is None else ([], [direct.addrs[i] for i in picked])
-
-            def digest(k: int) -> int:  # staged: the copy into the staging buffer sums on the way
-                if direct is not None:
-                    known = given[picked[k]]
-                    return _sum(views[picked[k]]) if known is None else known
-                return copy_hash(self._stage_np[offsets[k] : offsets[k] + sizes[k]], views[picked[k]])
-
-            try:
-                if picked:
-                    mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
-                    summed = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest, mem, device)
-                    intact = [k for k, i in enumerate(picked) if given[i] in (None, summed[k])]
-                    self._stats.digest_mismatches += len(picked) - len(intact)
-                    picked = [picked[k] for k in intact]
-                    self.peer.commit([keys[i] for i in picked], [slots[i - lo] for i in picked],
-                                     [lengths[i] for i in picked], [summed[k] for k in intact])
-            except StorageError:  # peer gone or a write failed: these blocks are not stored (uncommitted slots are never read)
-                break
-            for i in picked:
-                ok[i] = True
-            if direct is not None and picked:
-                self._count("direct_writes")
+        try:
+            for lo, hi in [(0, len(keys))] if direct is not None else self._batches(lengths):
+                stored = self._put_part(keys, views, lengths, given, direct, ahead, lo, hi)
+                if stored is None:  # the peer is gone or a write failed: the rest are not stored
+                    break
+                for i in stored:
+                    ok[i] = True
+        finally:  # sums still running read the caller's payloads: over before this returns
+            for wait in ahead.values():
+                wait()
         self._stats.puts += sum(ok)
         self._stats.put_failures += len(ok) - sum(ok)
         self._stats.put_bytes += sum(n for n, good in zip(lengths, ok) if good)
         return ok
+
+    def _put_part(self, keys: list[bytes], views: list, lengths: list[int], given: list[int | None],
+                  direct: "_Local | None", ahead: dict[int, Callable[[], int]], lo: int, hi: int) -> list[int] | None:
+        """Blocks lo..hi-1 reserved, written and committed; the indices stored, None when the peer or a write failed."""
+        try:
+            slots = self.peer.reserve(keys[lo:hi], lengths[lo:hi])
+        except PeerUnavailable:
+            return None
+        picked = [i for i, slot in zip(range(lo, hi), slots) if slot is not None]
+        if not picked:
+            return []
+        sizes = [lengths[i] for i in picked]
+        offsets, local = self._staged(sizes) if direct is None else ([], [direct.addrs[i] for i in picked])
+
+        def digest(k: int) -> int | None:  # staged: the copy into the staging buffer sums on the way
+            i = picked[k]
+            if direct is None:
+                return copy_hash(self._stage_np[offsets[k] : offsets[k] + sizes[k]], views[i])
+            return given[i] if given[i] is not None or i in ahead else _sum(views[i])
+
+        inline = direct is None or any(given[i] is None and i not in ahead for i in picked)
+        mem, device = (direct.mem, direct.device) if direct is not None else ("DRAM", 0)
+        try:
+            moved = self._write_lanes(sizes, local, [slots[i - lo] for i in picked], digest if inline else None,
+                                      mem, device)
+        except StorageError:  # uncommitted slots are never read
+            return None
+        summed = [ahead[i]() if i in ahead else given[i] if d is None else d for i, d in zip(picked, moved)]
+        intact = [k for k, i in enumerate(picked) if given[i] in (None, summed[k])]
+        self._stats.digest_mismatches += len(picked) - len(intact)
+        stored = [picked[k] for k in intact]
+        try:
+            self.peer.commit([keys[i] for i in stored], [slots[i - lo] for i in stored], [lengths[i] for i in stored],
+                             [summed[k] for k in intact])
+        except StorageError:
+            return None
+        if direct is not None:
+            self._count("direct_writes")
+        return stored
 
     def read_verified(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray] | None = None
                       ) -> tuple[list[np.ndarray | None], list[int | None]]:
