@@ -39,6 +39,7 @@ BLOCK = 128  # vLLM's block size on CPU
 PROMPT = [random.Random(7).randrange(3, 32000) for _ in range(4 * BLOCK + 88)]  # 4 full blocks and a tail
 FINGERPRINT = "test-tiny-llama-dummy-f32"
 KEYS = KeySpace(model=FINGERPRINT).chain_token_ids(PROMPT, BLOCK)
+OPEN_ENGINES: list = []  # engines started by `engine` (or a module's own starter) and not yet closed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,6 +73,7 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
                    enable_prefix_caching=True, max_model_len=2048, **kw)
     new = [s for e, s in engine_stores().items() if e not in before]
     assert len(new) == (0 if tiers is None else 1)
+    OPEN_ENGINES.append(llm)
     return llm, (new[0] if new else None)
 
 
@@ -86,9 +88,19 @@ def generate(llm, prompt: list[int] = PROMPT, salt: str = "") -> tuple[list[int]
 
 
 def close(llm) -> None:
+    OPEN_ENGINES[:] = [e for e in OPEN_ENGINES if e is not llm]
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def engines_closed():
+    """Engines a test left running (it failed before closing them) are shut down after it: one failed test
+    must not fail the next with an engine still holding the process's memory and distributed state."""
+    yield
+    while OPEN_ENGINES:
+        close(OPEN_ENGINES[-1])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from test_vllm_connector import BLOCK, close, engine, model_dir, vllm  # noqa: F401 - model_dir: a fixture
+from test_vllm_connector import BLOCK, close, engine, engines_closed, model_dir, vllm  # noqa: F401 - fixtures
 # (importing test_vllm_connector sets the engine's environment and imports vllm, or skips)
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,7 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh`")
 
-from test_vllm_connector import BLOCK, FINGERPRINT, KEYS, close, generate, model_dir, two_nodes  # noqa: E402,F401
+from test_vllm_connector import (BLOCK, FINGERPRINT, KEYS, OPEN_ENGINES, close, engines_closed,  # noqa: E402,F401
+                                 generate, model_dir, two_nodes)
 
 from kvcluster.keys import shard_key  # noqa: E402
 from kvcluster.storage import PFSBackend  # noqa: E402
@@ -47,9 +48,11 @@ def tp_engine(model_dir, tiers: list[dict], cluster: dict | None = None):
     extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {})
     transfer = {"kv_connector": "KVClusterConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_module_path": "kvcluster.integrations.vllm.connector", "kv_connector_extra_config": extra}
-    return vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
-                    enable_prefix_caching=True, max_model_len=2048, tensor_parallel_size=TP,
-                    distributed_executor_backend="mp", kv_transfer_config=transfer)
+    llm = vllm.LLM(model=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                   enable_prefix_caching=True, max_model_len=2048, tensor_parallel_size=TP,
+                   distributed_executor_backend="mp", kv_transfer_config=transfer)
+    OPEN_ENGINES.append(llm)
+    return llm
 
 
 def _worker_counts(worker) -> tuple[int, int, int, int, int, int]:
