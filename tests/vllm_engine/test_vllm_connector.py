@@ -39,7 +39,7 @@ BLOCK = 128  # vLLM's block size on CPU
 PROMPT = [random.Random(7).randrange(3, 32000) for _ in range(4 * BLOCK + 88)]  # 4 full blocks and a tail
 FINGERPRINT = "test-tiny-llama-dummy-f32"
 KEYS = KeySpace(model=FINGERPRINT).chain_token_ids(PROMPT, BLOCK)
-OPEN_ENGINES: list = []  # engines started by `engine` (or a module's own starter) and not yet closed
+OPEN_ENGINES: list = []  # engines a test started (`engine`, or a module's own starter) and has not closed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,10 +57,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | None = None,
-           engine_args: dict | None = None, **options):
+           engine_args: dict | None = None, across_tests: bool = False, **options):
     """An engine with random weights (vLLM's load_format="dummy"; seeded, so identical); with the kvcluster
     connector when `tiers` (on a kvcluster cluster with `cluster`; `options`: more connector settings;
-    `engine_args`: more of vLLM's own)."""
+    `engine_args`: more of vLLM's own). Shut down after the test that started it if still open there
+    (`engines_closed`), unless `across_tests`: then a fixture that shares it closes it."""
     kw = {"dtype": "float32"} | dict(engine_args or {})
     if tiers is not None:
         extra = {"tiers": tiers, "model_fingerprint": FINGERPRINT} | ({"cluster": cluster} if cluster else {}) | options
@@ -73,7 +74,8 @@ def engine(model_dir: Path, tiers: list[dict] | None = None, cluster: dict | Non
                    enable_prefix_caching=True, max_model_len=2048, **kw)
     new = [s for e, s in engine_stores().items() if e not in before]
     assert len(new) == (0 if tiers is None else 1)
-    OPEN_ENGINES.append(llm)
+    if not across_tests:
+        OPEN_ENGINES.append(llm)
     return llm, (new[0] if new else None)
 
 

@@ -45,7 +45,7 @@ class Engines:
 
     def current(self):
         if self.llm is None:
-            self.llm, self.shared = engine(self.model_dir, self.tiers)
+            self.llm, self.shared = engine(self.model_dir, self.tiers, across_tests=True)  # the module's fixture closes it
         return self.llm, self.shared
 
     def fresh(self):
