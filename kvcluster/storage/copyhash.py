@@ -19,7 +19,8 @@ mod 2^64: paired opposite flips of the same high bit in one lane a power-of-two
 distance apart. ZFS's default data checksum (fletcher4) is of this family.
 
 The native module (`_copyhash`, built by setup.py from `native/`) fuses the sums
-into the copy and into 256 KiB file reads and writes, with the GIL released. Without
+into the copy and into 256 KiB file reads and writes, with the GIL released, and sums
+buffers on a thread of its own while the caller moves them (`hash_in_background`). Without
 it (no C compiler at install time) numpy computes the same digests, slower. `KERNEL` says which runs: "avx2", "base" (native, no AVX2) or "python".
 """
 
