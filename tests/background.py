@@ -108,7 +108,7 @@ class Chain:
 
 def engine_suite() -> BackgroundRun:
     """The vLLM engine's tests (tests/vllm_engine/) in .venv-vllm; one OpenMP thread per engine process."""
-    return BackgroundRun("engine-suite", [str(ENGINE_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    return BackgroundRun("engine-suite", [str(ENGINE_PYTHON), "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
                                           "tests/vllm_engine"], {"OMP_NUM_THREADS": "1"})
 
 

@@ -27,6 +27,7 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed here; run `bash scripts/setup.sh` and "
                    "`.venv-vllm/bin/python -m pytest -q tests/vllm_engine`")
 
+from kvcluster import cpu_features  # noqa: E402
 from kvcluster.actors.ray_start import start_ray  # noqa: E402
 from kvcluster.integrations.vllm.store import engine_stores  # noqa: E402
 from kvcluster.keys import KeySpace  # noqa: E402
@@ -558,15 +559,10 @@ def test_on_a_cluster_a_prefix_comes_from_another_nodes_dram_and_a_dead_tier_is_
     close(llm)
 
 
-def amx() -> bool:
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 @pytest.mark.parametrize("backend,dtype,tolerance", [
     ("CPU_MLA", "fp32", 1e-4),  # vLLM's reference MLA kernels, on any CPU
-    pytest.param("AMX_MLA", "bf16", 2e-2, marks=pytest.mark.skipif(not amx(), reason="the CPU has no AMX")),
+    pytest.param("AMX_MLA", "bf16", 2e-2, marks=pytest.mark.skipif(not cpu_features.has_amx(),
+                                                                   reason=cpu_features.NO_AMX)),
 ])
 def test_an_mla_model_stores_its_latent_and_a_prefix_from_kvcluster_gives_the_same_tokens(
         tmp_path, backend: str, dtype: str, tolerance: float) -> None:
