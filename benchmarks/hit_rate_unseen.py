@@ -4,8 +4,12 @@
 traces are what matters, so this scores them on parts of the shared data that
 no default was chosen by:
 
-- `sharegpt-unseen`: the ShareGPT entries after the first 1,000 (`hit_rate.py`
-  tokenizes only those), from the first whole conversation on, timed as the
+Every trace here is drawn from the validation parts only (kvcluster/traces/split.py): the
+parts no default is chosen on from now on.
+
+- `sharegpt-unseen`: the validation-part ShareGPT conversations after the first
+  1,000 entries (`hit_rate.py` tokenized only those until 2026-12-08, and the
+  defaults were tuned on them), from the first whole conversation on, timed as the
   loader times every trace without times by default (seeded, seed 0: Poisson
   conversation starts, log-normal think times fitted to the Claude Code traces;
   docs/traces.md);
@@ -16,10 +20,10 @@ no default was chosen by:
   sigma 1. Before the loader drew times, it was the one row whose times did not
   tell exactly when a conversation comes back; it stays for comparison with the
   figures measured then;
-- `claude-code-even` / `claude-code-odd`: the Claude Code sessions split in two
-  by file order. Both halves were part of the tuning set, merged; alone, each is
-  a trace of another mix and size (how much a held-out set of 43 sessions may
-  differ);
+- `claude-code-even` / `claude-code-odd`: the validation-part Claude Code sessions
+  split in two by file order. Both were part of the set the defaults were tuned on
+  before 2026-12-08, merged; alone, each is a trace of another mix and size (how
+  much a held-out set of a dozen sessions may differ);
 - `...-as-mooncake`: a trace above written as a Mooncake jsonl (hash ids of
   512-token blocks, times in ms, token counts; no sessions, roles or finish
   reasons) and read back by the Mooncake loader, which infers sessions and block
@@ -30,7 +34,7 @@ no default was chosen by:
   one 1,024-token system prompt before every request, as a chat service does:
   the hash ids then share a prefix across all conversations, and a first message
   shorter than a block ends its full blocks on the prompt;
-- `mooncake-system-prompt`: the shared Mooncake trace (tuned on) with the same
+- `mooncake-system-prompt`: the validation part of the shared Mooncake trace with the same
   prompt before every request, its own blocks as they were: its conversations then
   all start on a prefix every session shares, as a service's do. What is new to the
   policy here is the prompt.
@@ -55,7 +59,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hit_rate import SHAREGPT_RECORDS as TUNED_SHAREGPT_ENTRIES, load
+from hit_rate import load, load_parts
 
 from kvcluster.errors import TraceError
 from kvcluster.paths import shared_data_dir
@@ -64,6 +68,7 @@ from kvcluster.simulator import PreparedTrace, prepare, replay
 from kvcluster.traces import load_trace
 from kvcluster.traces.records import require_path
 from kvcluster.traces.sharegpt import root_id
+from kvcluster.traces.split import session_part
 from kvcluster.traces.text import SESSION_GAP_S, TURN_GAP_S
 
 FRACTIONS = (0.02, 0.05, 0.10)
@@ -71,6 +76,7 @@ CLASSICAL = ("lru", "arc", "s3fifo", "sieve")
 POLICIES = (*CLASSICAL, "bayes", "belady")
 MOONCAKE_BLOCK = 512  # tokens per block of a Mooncake trace
 SYSTEM_PROMPT_BLOCKS = 2  # a 1,024-token system prompt before every request of the `-system-prompt` row
+TUNED_SHAREGPT_ENTRIES = 1000  # the ShareGPT entries the defaults were tuned on before the split (2026-12-08)
 
 
 def _root(line: str) -> str:
@@ -82,14 +88,15 @@ def _root(line: str) -> str:
 
 
 def unseen_sharegpt(source: Path, out: Path) -> Path:
-    """Write the entries after the tuned ones to `out`, from the first whole conversation on."""
-    lines = require_path(source).read_text().splitlines(keepends=True)
+    """Write the validation-part entries after the tuned ones to `out`, from the first whole conversation on."""
+    # split at "\n" only: str.splitlines would also cut at the U+2028 that some conversations' text holds
+    lines = [line + "\n" for line in require_path(source).read_text().split("\n") if line.strip()]
     start = TUNED_SHAREGPT_ENTRIES
     while start < len(lines) and _root(lines[start]) == _root(lines[start - 1]):
         start += 1  # the conversation that straddles the cut was (partly) seen
     if start >= len(lines):
         raise TraceError(f"{source} has no conversation after its first {TUNED_SHAREGPT_ENTRIES} entries")
-    out.write_text("".join(lines[start:]))
+    out.write_text("".join(line for line in lines[start:] if session_part(_root(line), "sharegpt") == "validation"))
     return out
 
 
@@ -149,8 +156,10 @@ def as_mooncake(trace: PreparedTrace, out: Path, system_prompt_blocks: int = 0) 
 
 
 def claude_code_half(source: Path, out: Path, parity: int) -> Path:
-    """Link every other session file of `source` (by name; `parity` 0 or 1) into the directory `out`."""
-    sessions = sorted(require_path(source).glob("*.json"))
+    """Link every other validation-part session file of `source` (by name; `parity` 0 or 1) into the directory
+    `out`. A session is named by its file's stem, as the Claude Code loader names it."""
+    sessions = [f for f in sorted(require_path(source).glob("*.json"))
+                if session_part(f.stem, "claude-code") == "validation"]
     if len(sessions) < 2:
         raise TraceError(f"{source} holds {len(sessions)} session files: two halves need two or more")
     out.mkdir()
@@ -172,7 +181,8 @@ def _run(quiet: bool, smoke: bool = False) -> list[dict]:
         sharegpt = unseen_sharegpt(data / "sharegpt_v3" / "sharegpt_v3_subset.jsonl", tmp_dir / "sharegpt.jsonl")
         unseen = prepare(load(str(sharegpt), smoke))
         unseen_512 = with_random_gaps(prepare(load(str(sharegpt), smoke, block_size=MOONCAKE_BLOCK)))
-        mooncake = prepare(load(str(data / "mooncake" / "synthetic_trace.jsonl"), smoke))
+        [(_, mooncake_part)] = load_parts(str(data / "mooncake" / "synthetic_trace.jsonl"), smoke=smoke)
+        mooncake = prepare(mooncake_part)
         halves = [prepare(load(str(claude_code_half(data / "weka_claude_code_traces", tmp_dir / f"cc-{h}", i)), smoke))
                   for i, h in enumerate(("even", "odd"))]
 

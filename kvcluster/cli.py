@@ -145,9 +145,11 @@ def _progress_factory(enabled: bool, total: int):
 def _load_trace(args: argparse.Namespace):
     """The trace of `replay` / `report`, with its skipped records listed on stderr."""
     from .traces import TraceClock, load_trace
+    from .traces.split import part
 
     trace = load_trace(args.trace, format=args.format, block_size=args.block_size, strict=args.strict,
                        max_records=args.max_records, clock=TraceClock(fixed=args.fixed_clock, seed=args.clock_seed))
+    trace = part(trace, args.part, "--part")
     for line in trace.skipped[:5]:
         print(f"skipped {line}", file=sys.stderr)
     if len(trace.skipped) > 5:
@@ -191,6 +193,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     report["format"] = trace.format
     report["skipped_records"] = len(trace.skipped)
     report["clock"] = _clock_note(args, trace.format)
+    report["part"] = args.part
     if args.plot:
         from .plots import plot_hit_rates
 
@@ -345,6 +348,7 @@ _TRACE_HELP = "a trace file or directory (Mooncake, Bailian, Claude Code, ShareG
 def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
     """Options shared by `replay` and `report`: how the trace is read."""
     from .traces import UNTIMED_FORMATS
+    from .traces.split import PART_NAMES
     from .traces.text import SESSION_GAP_S, TURN_GAP_S
 
     p.add_argument("--format", default="auto", metavar="FORMAT",
@@ -355,6 +359,10 @@ def _trace_options(p: argparse.ArgumentParser, formats: Sequence[str]) -> None:
                    help="read at most N records (lines; session files for claude-code, trajectories for swe-agent)")
     p.add_argument("--strict", action="store_true", help="fail on the first malformed trace record instead of "
                                                          "skipping it (skipped records are listed on stderr)")
+    p.add_argument("--part", choices=PART_NAMES, default="all",
+                   help="replay one part of the trace, split by session (docs/traces.md#tuning-and-validation-parts):"
+                        " tune (what defaults are chosen on), validation (what figures are quoted on) or all "
+                        "(default)")
     p.add_argument("--fixed-clock", action="store_true",
                    help=f"time traces without times ({', '.join(UNTIMED_FORMATS)}) by the old fixed clock: "
                         f"conversations {SESSION_GAP_S:g} s apart, turns {TURN_GAP_S:g} s apart (default: seeded "

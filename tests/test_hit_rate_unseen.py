@@ -26,14 +26,17 @@ from kvcluster.block_types import BlockType  # noqa: E402
 from kvcluster.errors import TraceError  # noqa: E402
 from kvcluster.simulator import PreparedTrace, prepare  # noqa: E402
 from kvcluster.traces import load_trace  # noqa: E402
+from kvcluster.traces.split import session_part  # noqa: E402
 
 
 def test_unseen_sharegpt_starts_at_the_first_conversation_wholly_after_the_tuned_entries(tmp_path) -> None:
-    ids = [f"c{i}_0" for i in range(TUNED_SHAREGPT_ENTRIES - 1)] + ["x_0", "x_1", "x_2", "y_0", "z_0", "z_1"]
+    later = ["y_0", "z_0", "z_1", "w_0", "v_0", "v_1"]  # z and v are in the validation part, y and w are not
+    assert [session_part(r) for r in "yzwv"] == ["tune", "validation", "tune", "validation"]
+    ids = [f"c{i}_0" for i in range(TUNED_SHAREGPT_ENTRIES - 1)] + ["x_0", "x_1", "x_2"] + later
     source = tmp_path / "sharegpt.jsonl"
     source.write_text("".join(json.dumps({"id": i, "conversations": []}) + "\n" for i in ids))
     out = unseen_sharegpt(source, tmp_path / "unseen.jsonl")
-    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["y_0", "z_0", "z_1"]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["z_0", "z_1", "v_0", "v_1"]
 
 
 def test_random_gaps_keep_each_conversation_in_order_and_its_blocks_as_they_were() -> None:
@@ -82,14 +85,15 @@ def test_as_mooncake_keeps_the_full_512_token_blocks_and_what_a_mooncake_trace_c
     assert reread.types[2][:2] == (int(BlockType.SYSTEM),) * 2  # the prompt, seen in another session
 
 
-def test_claude_code_halves_split_the_sessions_by_name(tmp_path) -> None:
+def test_claude_code_halves_split_the_validation_sessions_by_name(tmp_path) -> None:
     source = tmp_path / "traces"
     source.mkdir()
-    for name in ("trace_0003.json", "trace_0001.json", "trace_0002.json"):
-        (source / name).write_text("{}")
-    assert sorted(p.name for p in claude_code_half(source, tmp_path / "even", 0).iterdir()) == [
-        "trace_0001.json", "trace_0003.json"]
-    assert [p.name for p in claude_code_half(source, tmp_path / "odd", 1).iterdir()] == ["trace_0002.json"]
+    names = [f"trace_{i:04d}" for i in range(12)]
+    for name in reversed(names):
+        (source / f"{name}.json").write_text("{}")
+    validation = [n for n in names if session_part(n, "claude-code") == "validation"]
+    assert sorted(p.stem for p in claude_code_half(source, tmp_path / "even", 0).iterdir()) == validation[0::2]
+    assert sorted(p.stem for p in claude_code_half(source, tmp_path / "odd", 1).iterdir()) == validation[1::2]
 
 
 @pytest.mark.parametrize("script, first_trace", [("hit_rate_unseen", "sharegpt_v3/sharegpt_v3_subset.jsonl"),

@@ -146,3 +146,20 @@ def test_capacity_flags_mean_a_sweep_and_tier_flags_a_split(capsys) -> None:
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--capacity-frac F[,F...] capacities to sweep" in help_text
     assert "--tier-fracs F,F[,F...] with --live: the size of each tier" in help_text
+
+
+def test_replay_part_keeps_one_part_of_the_sessions(capsys) -> None:
+    from kvcluster.traces import load_trace
+    from kvcluster.traces.split import part
+
+    whole = load_trace(FIXTURE)
+    counts = {}
+    for which in ("tune", "validation", "all"):
+        code, data, _ = run(capsys, "replay", FIXTURE, "--policy", "lru", "--capacity-blocks", "50", "--part", which,
+                            "--json")
+        assert code == 0 and data["part"] == which
+        counts[which] = data["requests"]
+        assert data["requests"] == len(part(whole, which).requests)
+    assert counts["tune"] + counts["validation"] == counts["all"] and counts["tune"] and counts["validation"]
+    code, _, err = run(capsys, "replay", FIXTURE, "--part", "train")
+    assert code == 2 and "--part" in err
