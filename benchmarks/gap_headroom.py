@@ -20,6 +20,10 @@ the same replay as the policies (prefix-token hit rate, one tier):
   any predictor can know of when it returns, so this is about the most an
   online policy could close there, given perfect foresight of how much more
   each conversation has to say and how fast.
+- `oracle-informed` (ShareGPT and SWE-agent, timed by the loader's clock): `bayes`
+  told whether each session comes back and the think-time distribution its next
+  request is drawn from, not the draw (informed_oracle.py): about the most an
+  online predictor could learn there.
 - `fitted-online`: `bayes` with richer classes of what is known online (a
   session's first request: its prompt's and its answer's lengths; a later one:
   its turn, its session's pace so far and how its answer ended), each class's
@@ -38,8 +42,10 @@ session granularity. A second table says how random each trace's waits are:
 the median coefficient of variation of the gaps of sessions with six or more
 requests, and how well the mean log of a session's gaps so far predicts its next.
 
-    .venv/bin/python benchmarks/gap_headroom.py [--json] [--sharegpt-records 1000] [--fixed-clock]
-        [--clock-seed N] [--smoke]
+Each trace is measured on its validation part (`--part`; kvcluster/traces/split.py), as hit_rate.py quotes it.
+
+    .venv/bin/python benchmarks/gap_headroom.py [--json] [--part validation|tune|all] [--traces ...] [--sharegpt-records N]
+        [--fixed-clock] [--clock-seed N] [--smoke]
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from collections import deque
 from typing import Sequence
 
 import numpy as np
-from hit_rate import add_clock_options, clock_from, load, traces
+from hit_rate import REPORTED_PART, TRACES, UNTIMED, add_clock_options, clock_from, load_parts, traces
+from informed_oracle import OracleInformed, sessions_returning, think_time_cdf
 
 from kvcluster.policies.base import FAR, EvictionPolicy, RequestContext
 from kvcluster.policies.bayes import BayesPolicy, _NT, answer_bucket, finish_index, session_bucket
@@ -62,6 +69,8 @@ from kvcluster.policies.registry import POLICIES, register
 from kvcluster.reuse_gap import GapModel
 from kvcluster.hierarchy import TierPlan
 from kvcluster.simulator import PreparedTrace, prepare, replay
+from kvcluster.errors import TraceError
+from kvcluster.traces.split import PART_NAMES
 
 FRACTIONS = (0.02, 0.05, 0.10)
 WHEN_EDGES_S = (4, 8, 16, 32, 64, 128, 256)
@@ -321,7 +330,10 @@ class FittedOnline(BayesPolicy):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
-    parser.add_argument("--sharegpt-records", type=int, default=1000)
+    parser.add_argument("--sharegpt-records", type=int, default=None, help="ShareGPT entries (default: all)")
+    parser.add_argument("--part", choices=PART_NAMES, default=REPORTED_PART,
+                        help=f"which part of each trace to measure (default {REPORTED_PART})")
+    parser.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
     add_clock_options(parser)
     parser.add_argument("--horizon-factor", type=float, default=None,
                         help="horizon of `bayes`, `oracle-when` and `fitted-online` (default: `bayes`'s own)")
@@ -329,38 +341,31 @@ def main() -> int:
     args = parser.parse_args()
     if args.horizon_factor is not None and not args.horizon_factor > 0:
         parser.error(f"--horizon-factor must be > 0, got {args.horizon_factor}")
+    chosen = args.traces.split(",")
+    if any(t not in TRACES for t in chosen):
+        parser.error(f"--traces: choose from {', '.join(TRACES)}, got {args.traces}")
     if not args.json:
         print("| trace | capacity | blocks | lru | bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
-              "| fitted-online | belady | gap closed: bayes | oracle-whether | oracle-when | oracle-next | oracle-pace "
-              "| fitted-online |")
-        print("|---" * 17 + "|")
-    learnt = {"bayes", "oracle-when", "fitted-online"}
+              "| fitted-online | oracle-informed | belady | gap closed: bayes | oracle-whether | oracle-when "
+              "| oracle-next | oracle-pace | fitted-online | oracle-informed |")
+        print("|---" * 19 + "|")
     options = {} if args.horizon_factor is None else {"horizon_factor": args.horizon_factor}
-    for oracle in (OracleWhether, OracleWhen, OracleNext, OraclePace, FittedOnline):
+    for oracle in (OracleWhether, OracleWhen, OracleNext, OraclePace, FittedOnline, OracleInformed):
         if oracle.name not in POLICIES:
             register(oracle)
-    policies = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "oracle-pace", "fitted-online",
-                "belady")
     rows, stats = [], {}
-    for label, path, kwargs in traces(args.sharegpt_records, clock_from(args)):
-        prepared = prepare(load(path, args.smoke, **kwargs))
+    clock = clock_from(args)
+    for label, path, kwargs in traces(args.sharegpt_records, clock):
+        if label not in chosen:
+            continue
+        try:
+            [(_, trace)] = load_parts(path, (args.part,), args.smoke, **kwargs)
+        except TraceError as err:
+            print(f"gap_headroom: {err}", file=sys.stderr)
+            return 2
+        prepared = prepare(trace)
         stats[label] = session_gap_stats(prepared)
-        OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)
-        OraclePace.paces = session_paces(prepared)
-        FittedOnline.classes = online_classes(prepared)
-        FittedOnline.rates = fitted_cure_rates(FittedOnline.classes, OracleWhen.gaps)
-        for frac in FRACTIONS:
-            cap = max(1, round(frac * prepared.unique_blocks))
-            rates = {p: replay(prepared, p, [TierPlan("hbm", cap)],
-                               policy_options=options if p in learnt else None).hit_rate for p in policies}
-            gap = rates["belady"] - rates["lru"]
-            closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:7]}
-            rows.append({"trace": label, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
-                         "gap_closed": closed, "session_gaps": stats[label]})
-            if not args.json:
-                cells = " | ".join(f"{rates[p]:.4f}" for p in policies)
-                shown = " | ".join("n/a" if c is None else f"{c:.0%}" for c in closed.values())
-                print(f"| {label} | {frac:.0%} | {cap:,} | {cells} | {shown} |", flush=True)
+        rows += measure(label, prepared, clock if label in UNTIMED else None, options, args)
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -372,6 +377,40 @@ def main() -> int:
         corr = "n/a" if st["corr_known_next"] is None else f"{st['corr_known_next']:.2f}"
         print(f"| {label} | {st['sessions']:,} | {cv} | {st['gaps']:,} | {corr} |")
     return 0
+
+
+POLICIES_SHOWN = ("lru", "bayes", "oracle-whether", "oracle-when", "oracle-next", "oracle-pace", "fitted-online",
+                  "oracle-informed", "belady")
+LEARNT = {"bayes", "oracle-when", "fitted-online", "oracle-informed"}  # take `bayes`'s options
+
+
+def measure(label: str, prepared: PreparedTrace, clock, options: dict, args: argparse.Namespace) -> list[dict]:
+    """Rows of every policy and oracle on one trace at every fraction; `clock`: the clock that timed it (None:
+    the trace's own times, where `oracle-informed` has no distribution to know and is left out)."""
+    stats = session_gap_stats(prepared)
+    OracleWhen.gaps = OracleNext.gaps = next_session_gaps(prepared)
+    OraclePace.paces = session_paces(prepared)
+    FittedOnline.classes = online_classes(prepared)
+    FittedOnline.rates = fitted_cure_rates(FittedOnline.classes, OracleWhen.gaps)
+    OracleInformed.returns = sessions_returning(prepared.sessions)
+    if clock is not None:
+        OracleInformed.cdf = staticmethod(think_time_cdf(clock))
+    policies = [p for p in POLICIES_SHOWN if clock is not None or p != "oracle-informed"]
+    rows = []
+    for frac in FRACTIONS:
+        cap = max(1, round(frac * prepared.unique_blocks))
+        rates = {p: replay(prepared, p, [TierPlan("hbm", cap)],
+                           policy_options=options if p in LEARNT else None).hit_rate for p in policies}
+        gap = rates["belady"] - rates["lru"]
+        closed = {p: (rates[p] - rates["lru"]) / gap if gap > 0.005 else None for p in policies[1:-1]}
+        closed.setdefault("oracle-informed", None)
+        rows.append({"trace": label, "part": args.part, "fraction": frac, "capacity_blocks": cap, "hit_rate": rates,
+                     "gap_closed": closed, "session_gaps": stats})
+        if not args.json:
+            cells = " | ".join(f"{rates[p]:.4f}" if p in rates else "n/a" for p in POLICIES_SHOWN)
+            shown = " | ".join("n/a" if c is None else f"{c:.0%}" for c in closed.values())
+            print(f"| {label} | {frac:.0%} | {cap:,} | {cells} | {shown} |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ ENTRIES: dict[str, Entry] = {
                                    "on 2 cores; what it shows is tested in tests/vllm_engine (a clean shutdown's "
                                    "checkpoint into pfs, loaded by a fresh engine) and tests/test_vllm_model_source.py"),
     "gap_headroom.py": run("--smoke"),
+    "informed_oracle.py": Entry(part_of="gap_headroom.py"),
     "gpu_check.py": Entry(part_of="gpu_check.sh"),
     "gpu_check.sh": Entry(skip="its --dry-run (every section on the CPU) runs in tests/test_gpu_check.py, which "
                                "checks its report and which CI runs next: a second run here would add 70-110 s"),

@@ -141,3 +141,26 @@ def test_oracle_when_classes_a_request_s_own_blocks_by_the_true_time_to_its_sess
         oracle.check_integrity()
     per_bucket = 4  # transitions
     assert oracle._gcls == [2 * per_bucket, 0, 8 * per_bucket, 2 * per_bucket, 8 * per_bucket, 8 * per_bucket]
+
+
+def test_the_informed_oracle_knows_whether_a_session_returns_and_the_clock_s_hazard_not_the_draw():
+    from informed_oracle import OracleInformed, bin_hazards, sessions_returning, think_time_cdf
+
+    from kvcluster.reuse_gap import GapModel
+    from kvcluster.traces import TraceClock
+
+    assert sessions_returning(CONVERSATIONS.sessions) == [True, True, False, True, False, False]
+    edges = GapModel(1).edges
+    fixed = bin_hazards(think_time_cdf(TraceClock(fixed=True)), edges)
+    assert fixed.count(1.0) >= 1 and fixed[:fixed.index(1.0)] == [0.0] * fixed.index(1.0)  # all come back at 30 s
+    hazards = bin_hazards(think_time_cdf(TraceClock()), edges)
+    survive = 1.0
+    for h in hazards:
+        assert 0.0 <= h <= 1.0
+        survive *= 1.0 - h
+    assert survive == pytest.approx(0.0, abs=1e-9) and hazards[-1] == 1.0  # every returning session returns
+    if OracleInformed.name not in POLICIES:
+        register(OracleInformed)
+    OracleInformed.returns = sessions_returning(CONVERSATIONS.sessions)
+    got = replay(CONVERSATIONS, "oracle-informed", [TierPlan("hbm", 5)])
+    assert 0.0 <= got.hit_rate <= replay(CONVERSATIONS, "belady", [TierPlan("hbm", 5)]).hit_rate
