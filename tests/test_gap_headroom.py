@@ -154,9 +154,10 @@ def test_the_informed_oracle_knows_whether_a_session_returns_and_the_clock_s_haz
     fixed = bin_hazards(think_time_cdf(TraceClock(fixed=True)), edges)
     assert fixed.count(1.0) >= 1 and fixed[:fixed.index(1.0)] == [0.0] * fixed.index(1.0)  # all come back at 30 s
     hazards = bin_hazards(think_time_cdf(TraceClock()), edges)
-    survive = 1.0
-    for h in hazards:
-        assert 0.0 <= h <= 1.0
+    cdf, survive = think_time_cdf(TraceClock()), 1.0
+    for k, h in enumerate(hazards):  # the chance to wait until bin k, then end in it, is the clock's mass there
+        hi = cdf(edges[k + 1]) if k + 1 < len(edges) else 1.0
+        assert survive * h == pytest.approx(hi - cdf(edges[k]), abs=1e-12)
         survive *= 1.0 - h
     assert survive == pytest.approx(0.0, abs=1e-9) and hazards[-1] == 1.0  # every returning session returns
     if OracleInformed.name not in POLICIES:
