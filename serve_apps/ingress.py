@@ -57,6 +57,25 @@ MAX_CHOICES = 128  # prompts x n in one request
 NODE_HEADER = "x-kvcluster-node"  # the cluster node whose replica answered (operators: is routing sticky?)
 
 
+SESSION_HEADERS = ("x-session-id", "x-user-id")  # what load generators send when the body names no user
+MAX_SESSION_CHARS = 256  # as the API's `user`
+
+
+def session_of(user: str | None, headers) -> str:
+    """The request's session: the API's `user`, else the first session header (LMCache's multi-round QA
+    sends `x-user-id`, vLLM production-stack's router `x-session-id`); "" for none. Routing keeps a session on
+    one replica and the eviction policy learns its pace."""
+    if user:
+        return user
+    for name in SESSION_HEADERS:
+        value = headers.get(name, "").strip()
+        if len(value) > MAX_SESSION_CHARS:
+            raise APIError(400, f"header {name} has {len(value)} characters; at most {MAX_SESSION_CHARS}", param=name)
+        if value:
+            return value
+    return ""
+
+
 def _node_headers(start: dict) -> dict[str, str]:
     return {NODE_HEADER: start["node"]} if start.get("node") else {}
 
@@ -160,7 +179,8 @@ class OpenAIIngress:
             text = prompt_text(self.tokenizer, prompt) if body.echo else ""
             for j in range(body.n):
                 params = body.sampling(max_tokens, j, body.logprobs, echo_lp)
-                jobs.append((Choice(i * body.n + j, ids, text), self._job(ids, [(1, len(ids))], params, body, tenant)))
+                jobs.append((Choice(i * body.n + j, ids, text),
+                             self._job(ids, [(1, len(ids))], params, body, tenant, request)))
         render = CompletionRender(self.tokenizer, new_id("cmpl"), self.cfg.name, body.echo, body.logprobs)
         return await self._answer(jobs, render, body)
 
@@ -177,7 +197,8 @@ class OpenAIIngress:
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = []
         for j in range(body.n):
-            job = self._job(ids, [(int(t), k) for t, k in spans], body.sampling(max_tokens, j, top), body, tenant)
+            job = self._job(ids, [(int(t), k) for t, k in spans], body.sampling(max_tokens, j, top), body, tenant,
+                            request)
             job["segments"] = segments
             jobs.append((Choice(j, ids), job))
         render = ChatRender(self.tokenizer, new_id("chatcmpl"), self.cfg.name, body.logprobs)
@@ -265,9 +286,10 @@ class OpenAIIngress:
                            code="context_length_exceeded")
         return asked
 
-    def _job(self, ids: list[int], spans, params, body, tenant: str) -> dict:
+    def _job(self, ids: list[int], spans, params, body, tenant: str, request: Request) -> dict:
         salt = f"{tenant}/{body.cache_salt or ''}" if tenant else (body.cache_salt or "")
-        session = f"{tenant}/{body.user}" if body.user else ""  # the end user: whose pace the policy learns
+        user = session_of(body.user, request.headers)
+        session = f"{tenant}/{user}" if user else ""  # the end user: whose pace the policy learns
         return {"prompt_ids": ids, "spans": spans, "params": params.model_dump(), "cache_salt": salt,
                 "session": session}
 

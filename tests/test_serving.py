@@ -97,7 +97,8 @@ def test_cache_salt_separates_tenants(client, reference):
 
 
 def test_the_api_user_is_the_session_whose_pace_the_policy_learns(client):
-    """A request's `user` reaches the control plane's policy as its session; requests without one add none."""
+    """A request's `user` (else its x-user-id or x-session-id header) reaches the control plane's policy as its
+    session; requests without one add none."""
     import time
 
     from kvcluster.actors.index_actor import NAMESPACE
@@ -123,8 +124,17 @@ def test_the_api_user_is_the_session_whose_pace_the_policy_learns(client):
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     client.completions.create(model=MODEL, prompt="Pace: " + DOC[:100], max_tokens=2, temperature=0, user="bob")
     assert settled(before + 2) == before + 2
+    # without a `user`, the session headers load generators send name it: bob again, then carol
+    client.completions.create(model=MODEL, prompt="Pace: " + DOC[:100], max_tokens=2, temperature=0,
+                              extra_headers={"x-user-id": "bob"})
+    client.completions.create(model=MODEL, prompt="Pace: " + DOC[:100], max_tokens=2, temperature=0,
+                              extra_headers={"x-session-id": "carol"})
+    assert settled(before + 3) == before + 3
     time.sleep(1)
-    assert sessions() == before + 2
+    assert sessions() == before + 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Pace", max_tokens=2, extra_headers={"x-session-id": "x" * 257})
+    assert err.value.body["param"] == "x-session-id"
 
 
 def test_sampled_completion_is_repeatable_with_seed(client):
