@@ -2,7 +2,9 @@
 
 A cluster's tiers keep files that outlive the actors: each node's nvme slab
 (`<nvme path>/<node>/kvcluster-nvme.slab`, reused but never read back: its slot
-index lives in memory, so a new cluster starts it empty), the shared filesystem's
+index lives in memory, so a new cluster starts it empty) and its owner's pid
+(`kvcluster-nvme.slab.owner`, left behind only by a process that died holding the
+slab: `kvcluster.storage.slab_owner`), the shared filesystem's
 block files (`<pfs path>/kv/`, read back by design: content-addressed blocks serve
 any later cluster of the same model) and the predictor's checkpoint
 (`<checkpoint_dir>/predictor.json`). Purging removes exactly those, never other
@@ -17,6 +19,7 @@ from pathlib import Path
 from .cluster_config import ClusterConfig
 
 NVME_SLAB = "kvcluster-nvme.slab"
+NVME_OWNER = NVME_SLAB + ".owner"  # slab_owner.owner_file's name; kept here so the CLI loads no storage code
 PREDICTOR_CHECKPOINT = "predictor.json"
 
 
@@ -28,7 +31,7 @@ def state_paths(cfg: ClusterConfig) -> list[Path]:
             if tier.path is None:
                 continue
             if tier.kind == "nvme":
-                paths.append(Path(tier.path) / node.name / NVME_SLAB)
+                paths += [Path(tier.path) / node.name / NVME_SLAB, Path(tier.path) / node.name / NVME_OWNER]
             elif tier.kind == "pfs":
                 paths.append(Path(tier.path) / "kv")
     paths.append(Path(cfg.checkpoint_dir) / PREDICTOR_CHECKPOINT)

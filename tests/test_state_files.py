@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,10 @@ def test_a_new_nvme_tier_on_an_old_slab_holds_nothing(tmp_path: Path) -> None:
 
 def test_purge_removes_the_clusters_files_and_nothing_else(tmp_path: Path) -> None:
     cfg = load_cluster_config(str(_config(tmp_path)))
-    assert [str(p) for p in state_paths(cfg)] == [f"{tmp_path}/nvme/n0/kvcluster-nvme.slab", f"{tmp_path}/pfs/kv",
+    assert [str(p) for p in state_paths(cfg)] == [f"{tmp_path}/nvme/n0/kvcluster-nvme.slab",
+                                                  f"{tmp_path}/nvme/n0/kvcluster-nvme.slab.owner", f"{tmp_path}/pfs/kv",
                                                   f"{tmp_path}/nvme/n1/kvcluster-nvme.slab",
+                                                  f"{tmp_path}/nvme/n1/kvcluster-nvme.slab.owner",
                                                   f"{tmp_path}/pfs/predictor/predictor.json"]
     NVMeBackend(tmp_path / "nvme" / "n0", 4, 4096).close()
     pfs = PFSBackend(tmp_path / "pfs", 1 << 20)
@@ -68,3 +71,16 @@ def test_down_purge_without_a_running_cluster_still_removes_the_files(tmp_path: 
     assert out == {"killed": [], "purged": [f"{tmp_path}/nvme/n0/kvcluster-nvme.slab"]}
     assert main(["cluster", "status", str(cfg_path), "--purge", "--address", "127.0.0.1:9"]) == 2
     assert "--purge goes with down only" in capsys.readouterr().err
+
+
+def test_purge_removes_the_owner_file_a_dead_owner_left_and_it_is_the_backends(tmp_path: Path) -> None:
+    """A process killed while it held a slab leaves its pid file (the lock itself went with the process)."""
+    cfg = load_cluster_config(str(_config(tmp_path)))
+    slab, owner = state_paths(cfg)[:2]
+    held = NVMeBackend(slab.parent, 4, 4096)
+    assert owner.read_text() == f"{os.getpid()}\n"  # the very file the backend records its owner in
+    held.close()
+    assert not owner.exists()
+    owner.write_text("4194304\n")  # as a killed owner leaves it
+    assert purge(cfg) == [str(slab), str(owner)]
+    assert not slab.exists() and not owner.exists()

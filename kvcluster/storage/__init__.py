@@ -11,7 +11,7 @@ _HOME = {
     "StorageBackend": "base", "StorageError": "base", "checksum": "base",
     "BlockLayout": "layout", "layout_for": "layout",
     "MemoryPoolBackend": "memory", "cxl_backend": "memory", "dram_backend": "memory", "hbm_backend": "memory",
-    "NVMeBackend": "nvme", "PFSBackend": "pfs", "LentDirectory": "lent",
+    "NVMeBackend": "nvme", "SlabInUse": "slab_owner", "PFSBackend": "pfs", "LentDirectory": "lent",
     "NixlPeerPool": "rdma", "NixlRegionLender": "rdma", "RDMABackend": "rdma",
 }
 __all__ = sorted(_HOME)

@@ -10,7 +10,9 @@ core meanwhile. Other buffers pass through two aligned staging buffers: while
 one block is on its way to or from the disk, another core copies the next one in
 (or the previous one out), checksum summed in the copy, so a batch costs about
 its I/O time, not I/O plus copies. A stage is written only once its copy is over.
-The slot index lives in memory: the tier is a cache, a restart starts it empty.
+The slot index lives in memory: the tier is a cache, a restart starts it empty. So a slab
+has one owner (`slab_owner`): a second backend on the same file, in this process or
+another, is refused with `SlabInUse` until the first is closed or its process exits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes.util
 import errno
 import mmap
 import os
+import weakref
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -30,6 +33,7 @@ from .base import BackendStats, Payload, SlottedBackend, StorageError, checksum,
 from .copyhash import copy_hash
 from .parallel import BatchWorkers
 from .slab import SlotTable
+from .slab_owner import hold, let_go
 
 ALIGN = 4096
 SHORT_READ = "short read or I/O error"
@@ -52,12 +56,19 @@ class NVMeBackend(SlottedBackend):
             self.fd, self.direct = self._open(direct)
         except OSError as exc:
             raise StorageError(f"nvme: cannot open a slab file in {self.dir}: {exc.strerror or exc}") from None
+        try:
+            hold(self.fd, self.path)
+        except StorageError:  # in use (SlabInUse), or not lockable
+            os.close(self.fd)
+            raise
+        # released by close(), or when this backend is collected (a failed __init__ included): never twice
+        self._release = weakref.finalize(self, let_go, self.fd, self.path)
         size = slots * self.slot_bytes
         try:
             os.posix_fallocate(self.fd, 0, size)
         except (OSError, OverflowError) as exc:
-            os.close(self.fd)
-            self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)  # while still held: no other opener gets this file
+            self._release()
             reason = "not enough free space" if getattr(exc, "errno", errno.ENOSPC) in (errno.ENOSPC, errno.EFBIG) \
                 else exc.strerror
             raise StorageError(f"nvme: cannot reserve {size:,} bytes in {self.dir}: {reason}") from None
@@ -265,4 +276,7 @@ class NVMeBackend(SlottedBackend):
         assert os.fstat(self.fd).st_size >= self.capacity_bytes
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Close the slab and give up owning it (idempotent): another backend may open it now. The descriptor's
+        number is forgotten too: a stray call after this fails instead of reaching a file opened later."""
+        self._release()
+        self.fd = -1
