@@ -14,6 +14,12 @@ moves the bytes. With workers in processes of their own (tensor parallel) each b
 shard (`for_rank`) and reports what it holds (`holdings.py`). A store over a `pfs` (file) tier adopts the
 block files already there, so a fresh engine finds the blocks an earlier one wrote; the `dram` and `nvme`
 tiers start empty with their process (the nvme slab's index lives in memory).
+
+Replicas on one node may be given one config: each engine's nvme tier claims a slab of its own, the first of
+`PATH/r0`, `PATH/r1`, ... that no live engine holds (`claim_nvme`), since a slab's index lives in its owner's
+memory and two owners would overwrite each other's blocks. The pfs tier is shared on purpose: equal keys are
+equal bytes, each file is written whole, and it is how another or a restarted replica finds blocks. The last
+of an engine's connectors to release its store closes the slab, so an engine started next claims `r0` again.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from ...errors import ConfigError
 from ...keys import BlockKey
 from ...policies import policy_names
 from ...serving.block_store import LocalBlockStore
-from ...storage.base import StorageBackend
+from ...storage.base import StorageBackend, StorageError
 from ...storage.memory import dram_backend
 from ...storage.nvme import NVMeBackend
 from ...storage.pfs import PFSBackend, stored_keys
+from ...storage.slab_owner import SlabInUse
 from ...storage.tiered import TieredStore
 from ...tiers import TierSpec, check_tiers, fastest_first, format_size
 
@@ -138,8 +145,27 @@ def _backend(tier: TierSpec, block_bytes: int) -> StorageBackend:
     if tier.kind == "dram":
         return dram_backend(slots, block_bytes)
     if tier.kind == "nvme":
-        return NVMeBackend(Path(tier.path), slots, block_bytes)
+        return claim_nvme(Path(tier.path), slots, block_bytes)
     return PFSBackend(Path(tier.path), slots * block_bytes)
+
+
+MAX_SLABS_PER_PATH = 256  # engines of one node sharing an nvme path: past it a fault is an error, not an endless search
+
+
+def claim_nvme(path: Path, slots: int, block_bytes: int) -> NVMeBackend:
+    """This engine's nvme tier: a slab in the first of `path/r0`, `path/r1`, ... that no live backend owns
+    (`SlabInUse`: another replica on this node, or an engine of this process not yet shut down).
+
+    Why: N engines on a node given one path get N slabs, never one slab with N slot indexes; an engine started
+    after the one before it exited (or released its store) takes `r0` again and reuses its file, instead of
+    leaving a new slab behind on every restart."""
+    for replica in range(MAX_SLABS_PER_PATH):
+        try:
+            return NVMeBackend(path / f"r{replica}", slots, block_bytes)
+        except SlabInUse:
+            continue
+    raise StorageError(f"nvme: all {MAX_SLABS_PER_PATH} slabs under {path} (r0 to r{MAX_SLABS_PER_PATH - 1}) are in "
+                       f"use by live engines; give this engine's nvme tier another path")
 
 
 def build_store(config: ConnectorConfig, block_bytes: int) -> LocalBlockStore:
@@ -182,6 +208,7 @@ class EngineStore:
     answers_told: int = 0  # finished requests whose answer (length, finish) went to the store's policy
     saving: list = field(default_factory=list)  # Futures of background stores (`async_saves`)
     lending: Lending | None = None  # set when the engine lends its paged KV as its node's hbm tier
+    holders: int = 0  # the engine's connectors using this store: the last to release it closes its files
 
     def wait_saved(self, timeout_s: float | None = None) -> None:
         """Block until every background store handed over so far is in the tiers (or failed and logged)."""
@@ -204,13 +231,30 @@ def shared_store(engine: str, config: ConnectorConfig, block_bytes: int) -> Engi
         elif shared.local.tiered.block_bytes != block_bytes:
             raise ConfigError(f"engine {engine}: connectors disagree on the block size "
                               f"({shared.local.tiered.block_bytes} vs {block_bytes} bytes)")
+        shared.holders += 1
         return shared
 
 
 def release_store(engine: str) -> None:
-    """Forget engine `engine`'s store (its engine shut down); file tiers keep their blocks."""
+    """One of engine `engine`'s connectors is done with its store (its engine shut down). The last one forgets
+    it and closes its nvme slab, so that an engine started next in this process claims the same slab again
+    (the two connectors of one engine shut down in either order); file tiers keep their blocks."""
     with _stores_lock:
-        _stores.pop(engine, None)
+        shared = _stores.get(engine)
+        if shared is None:
+            return
+        shared.holders -= 1
+        if shared.holders > 0:
+            return
+        del _stores[engine]
+    close_files(shared.local)
+
+
+def close_files(local: LocalBlockStore) -> None:
+    """Close the store's nvme slab (its lock with it); nothing may use the store after this."""
+    for backend in local.tiered.backends:
+        if isinstance(backend, NVMeBackend):
+            backend.close()
 
 
 def engine_stores() -> dict[str, EngineStore]:
