@@ -45,6 +45,7 @@ from kvcluster.actors.tier_actor import actor_name
 from kvcluster.block_index import PrefixMatch
 from kvcluster.keys import BlockKey
 from kvcluster.serving.block_store import LocalBlockStore, served_context
+from kvcluster.serving.shared_files import SharedFiles
 from kvcluster.storage import RDMABackend, StorageError
 from kvcluster.tiers import NIXL_TIERS, tier_rank  # NIXL_TIERS: memory tiers whose slab a replica reads over NIXL
 
@@ -56,11 +57,15 @@ class ClusterBlockStore:
     _closed = False  # set by `close`: stores and answers stay in this replica's hbm
 
     def __init__(self, hbm: LocalBlockStore, node: str | None, timeout_s: float = 10.0,
-                 nixl_staging_bytes: int | None = 32 << 20, index: IndexClient | LocalIndex | None = None):
+                 nixl_staging_bytes: int | None = 32 << 20, index: IndexClient | LocalIndex | None = None,
+                 shared: SharedFiles | None = None):
         """`nixl_staging_bytes`: memory tiers are read over NIXL through a staging buffer of this size (one
         lookup call, then the bytes straight from the tier's slab); None reads them with `get_many` through
-        the Ray object store. `index`: how lookups reach the block index (default: remote, every shard asked)."""
+        the Ray object store. `index`: how lookups reach the block index (default: remote, every shard asked).
+        `shared`: the cluster's shared filesystem, written behind every store and read where the cluster's
+        memory ends."""
         self.hbm = hbm
+        self.shared = shared
         self.node = node
         self.timeout_s = timeout_s
         self.index = index if index is not None else IndexClient.connect()
@@ -123,10 +128,11 @@ class ClusterBlockStore:
         try:
             match: PrefixMatch = self.index.longest_prefix(rest, timeout_s=self.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("index unavailable (%s): serving the hbm run only", type(exc).__name__)
+            log.warning("index unavailable (%s): serving the hbm run and the shared files only", type(exc).__name__)
             self.counters["remote_failures"] += 1
             metrics.faults().inc(1, {"component": "replica", "kind": "index_unavailable"})
-            return local, set()
+            from_files = self._read_shared(rest, len(local), out)
+            return local + from_files, set()
         match = self._readable(match)
         source = [self._choose(match.locations[j]) for j in range(match.length)]
         got, placed = self._read_from(rest, source, range(match.length), len(local), out, pages)
@@ -154,11 +160,13 @@ class ClusterBlockStore:
             self.counters["lent_pages" if is_lent(tier) else tier] += 1
             if node != self.node:
                 self._from_peers.add(bytes(rest[j]))  # "hbm" counts this store's own hits
+        if len(run) < len(rest):  # no node's memory holds the rest (or its node is gone): the shared files may
+            run += self._read_shared(rest[len(run):], len(local) + len(run), out)
         if run:
             self.hbm.place(rest[: len(run)], run)  # promoted: the next turn finds them in process
             by_source: dict[str, int] = defaultdict(int)
             for j, payload in enumerate(run):
-                node, tier = source[j]
+                node, tier = source[j] if j < len(source) else ("shared", "pfs")
                 by_source[f"{node}/{tier}"] += payload.nbytes
             for src, nbytes in by_source.items():
                 metrics.bytes_moved().inc(nbytes, {"src": src, "dst": f"{self.node or 'local'}/hbm", "how": "promote"})
@@ -210,8 +218,20 @@ class ClusterBlockStore:
                 metrics.faults().inc(1, {"component": f"{loc[0]}/{loc[1]}", "kind": "actor_unavailable"})
         return got, placed
 
+    def _read_shared(self, keys: Sequence[BlockKey], offset: int, out: Sequence[np.ndarray] | None
+                     ) -> list[np.ndarray]:
+        """The leading run of `keys` from the shared files (into `out[offset + i]`), marked to be copied into
+        this node's tiers with the request's store, as blocks read from other nodes are."""
+        if self.shared is None or not keys:
+            return []
+        run = self.shared.read(keys, None if out is None else out[offset: offset + len(keys)])
+        self._from_peers.update(bytes(k) for k in keys[: len(run)])
+        self.counters["shared"] += len(run)
+        return run
+
     def held(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading blocks of `keys` can be fetched: those in hbm, then the cluster's, per the index."""
+        """How many leading blocks of `keys` can be fetched: those in hbm, then the cluster's, per the index,
+        then the shared files'."""
         n = self.hbm.held(keys)
         return n if n == len(keys) else n + self.remote_prefix(keys[n:])
 
@@ -241,10 +261,13 @@ class ClusterBlockStore:
         if not keys:
             return 0
         try:
-            return self._readable(self.index.longest_prefix(list(keys), timeout_s=self.timeout_s)).length
+            n = self._readable(self.index.longest_prefix(list(keys), timeout_s=self.timeout_s)).length
         except (ray.exceptions.RayError, TimeoutError):
             self.counters["remote_failures"] += 1
-            return 0
+            n = 0
+        if self.shared is not None and n < len(keys):
+            n += self.shared.prefix(keys[n:])
+        return n
 
     def _readable(self, match: PrefixMatch) -> PrefixMatch:
         """`match` without the lent pages this store does not read, cut before the first block left with no
@@ -393,6 +416,8 @@ class ClusterBlockStore:
 
     def _write(self, keys: list[bytes], new: dict[bytes, np.ndarray], ctx, pairs) -> None:
         landed = self.writer.store(keys, new, ctx, pairs)
+        if self.shared is not None:  # behind the request: what this node keeps outlives the node
+            self.shared.write(new)
         with self._queue_lock:
             self._queued -= 1
             idle = self._queued == 0

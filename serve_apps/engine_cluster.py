@@ -10,20 +10,25 @@ workers run elsewhere. Every missing piece is a ConfigError that says what to st
 from __future__ import annotations
 
 import random
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import ray
 
 from kvcluster.actors.index_actor import NAMESPACE
 from kvcluster.actors.index_client import IndexClient
+from kvcluster.actors.node_parts import ensure_node_parts, ray_node_name
 from kvcluster.actors.tier_actor import actor_name
 from kvcluster.errors import ConfigError
-from kvcluster.integrations.vllm.store import ClusterLink
+from kvcluster.integrations.vllm.store import AUTO_NODE, ClusterLink
 from kvcluster.serving.block_store import LocalBlockStore
+from kvcluster.storage import PFSBackend, StorageError
 from kvcluster.tiers import TIER_ORDER
 
 from .cluster_store import ClusterBlockStore
+from kvcluster.serving.shared_files import SharedFiles
 
 MIB = 1 << 20
 
@@ -34,27 +39,50 @@ class EngineCluster:
     def __init__(self, link: ClusterLink) -> None:
         self.link = link
 
+    def node(self, block_bytes: int) -> str:
+        """This engine's node: the link's name, or with `auto` the Ray node this process runs on, whose parts
+        (tier actors, controller) and the cluster's global actors are started here when the link gives `tiers`."""
+        link = self.link
+        if link.node != AUTO_NODE:
+            return link.node
+        if link.tiers is None:
+            return ray_node_name()
+        checkpoint = str(Path(link.shared.path) / "predictor") if link.shared else tempfile.mkdtemp(prefix="kvc-pred-")
+        try:
+            return ensure_node_parts(link.tiers, block_bytes, link.policy, checkpoint)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise ConfigError(f"kv_connector_extra_config.cluster.tiers: this node's tier actors did not start: "
+                              f"{exc}") from None
+
     def store(self, local: LocalBlockStore, block_bytes: int) -> ClusterBlockStore:
         """A `ClusterBlockStore` over `local` on the running cluster, or a ConfigError that says what is missing."""
         link = self.link
+        node = self.node(block_bytes)
         tiers = []
         for tier in TIER_ORDER:
             try:
-                tiers.append(ray.get_actor(actor_name(link.node, tier), namespace=NAMESPACE))
+                tiers.append(ray.get_actor(actor_name(node, tier), namespace=NAMESPACE))
             except ValueError:
                 continue
         if not tiers:
-            raise ConfigError(f"kv_connector_extra_config.cluster.node: no tier actors of node {link.node!r} are "
-                              f"running; start the cluster first (`kvcluster cluster up CONFIG`)")
+            raise ConfigError(f"kv_connector_extra_config.cluster.node: no tier actors of node {node!r} are "
+                              f"running; start the cluster first (`kvcluster cluster up CONFIG`), or give "
+                              f"cluster.tiers so that engines start their node's part themselves")
         for described in ray.get([t.describe.remote() for t in tiers], timeout=link.timeout_s):
             if described["slot_bytes"] < block_bytes:
                 raise ConfigError(
-                    f"kv_connector_extra_config.cluster: tier {link.node}/{described['tier']} holds blocks of "
+                    f"kv_connector_extra_config.cluster: tier {node}/{described['tier']} holds blocks of "
                     f"{described['slot_bytes']:,} bytes, this engine's blocks are {block_bytes:,} (vLLM's block of "
                     f"every layer); give the cluster YAML this engine's model, dtype and block_tokens")
+        shared = None
+        if link.shared is not None:
+            try:
+                shared = SharedFiles(PFSBackend(link.shared.path, link.shared.usable_bytes))
+            except StorageError as exc:
+                raise ConfigError(f"kv_connector_extra_config.cluster.shared: {exc}") from None
         try:
             staging = None if link.nixl_staging_mib is None else int(link.nixl_staging_mib * MIB)
-            return ClusterBlockStore(local, link.node, timeout_s=link.timeout_s, nixl_staging_bytes=staging)
+            return ClusterBlockStore(local, node, timeout_s=link.timeout_s, nixl_staging_bytes=staging, shared=shared)
         except ValueError as exc:  # the index or predictor actor is not running
             raise ConfigError(f"kv_connector_extra_config.cluster: the cluster's global actors are not running "
                               f"({exc}); start the cluster first (`kvcluster cluster up CONFIG`)") from None

@@ -46,6 +46,9 @@ class VLLMAppConfig(BaseModel):
                     "vLLM's own prefix cache only.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas; a session stays on one, new sessions go to "
                               "the least loaded (serve_apps/vllm_router.py).")
+    max_replicas_per_node: int | None = Field(None, ge=1, description="At most this many replicas on one Ray "
+                                              "node (1 on a cluster: each node's engine lends its paged KV as "
+                                              "the node's hbm tier); default: no limit.")
     replica_cpus: float = Field(1.0, ge=0, description="Ray CPUs each replica reserves.")
     omp_threads: int = Field(1, ge=1, description="OpenMP threads of each engine's CPU kernels.")
     max_ongoing_requests: int = Field(8, ge=1, description="Requests one engine batches at once (its "

@@ -106,6 +106,15 @@ def entries(tokens, positions, top: int | None) -> list:
     return [entry(t, p, top) for t, p in zip(tokens, positions)]
 
 
+def tier_stats(backend) -> dict:
+    """One tier of the engine's own store: its counters (gets, misses, corrupt reads, ...) and, for nvme, the slab
+    this engine claimed (`PATH/r{i}`: replicas on one node each own one)."""
+    from kvcluster.storage.nvme import NVMeBackend
+
+    stats = backend.stats()
+    return {**stats, "slab": str(backend.path)} if isinstance(backend, NVMeBackend) else stats
+
+
 class VLLMReplica:
     def __init__(self, config: dict) -> None:
         from vllm.config import KVTransferConfig
@@ -176,11 +185,19 @@ class VLLMReplica:
         if out.prompt_logprobs:  # vLLM's first position is None: the first token has no log-probability
             prompt_lps = entries(prompt_ids[1:], list(out.prompt_logprobs)[1:], params.prompt_logprobs)
         return {"type": "start", "prompt_tokens": len(prompt_ids), "cached_tokens": cached,
-                "prompt_logprobs": prompt_lps, "ttft_s": ttft_s, "node": None}
+                "prompt_logprobs": prompt_lps, "ttft_s": ttft_s, "node": self._node()}
+
+    def _node(self) -> str | None:
+        """The cluster node this replica's engine stores on (None: no cluster), which the front reports in a
+        header of every answer."""
+        from kvcluster.integrations.vllm.store import engine_stores
+
+        stores = list(engine_stores().values())
+        return getattr(stores[0].store, "node", None) if stores else None
 
     def info(self) -> dict:
         """What an operator (or a test) asks a replica: the engine's block size, its start time, the
-        connector's counters."""
+        connector's counters and each of its own tiers' (`tier_stats`)."""
         from kvcluster.integrations.vllm.store import engine_stores
 
         stores = list(engine_stores().values())
@@ -188,8 +205,15 @@ class VLLMReplica:
         counts = {k: getattr(stores[0], k) for k in named} if stores else {}
         if stores:  # sessions whose pace the connector's policy learns (the API's `user`)
             counts["sessions"] = stores[0].local.tiered.manager.sessions_known()
+            counts["tiers"] = [tier_stats(backend) for backend in stores[0].local.tiered.backends]
+            cluster = stores[0].store
+            if cluster is not stores[0].local:  # on a cluster: blocks served per tier, the shared files' counts
+                counts["cluster"] = dict(getattr(cluster, "counters", {}))
+                shared = getattr(cluster, "shared", None)
+                if shared is not None:
+                    counts["shared"] = shared.stats()
         return {"pid": os.getpid(), "served": self.served, "block_size": self.block_size,
-                "startup_s": self.startup_s, "connector": counts}
+                "startup_s": self.startup_s, "node": self._node(), "connector": counts}
 
     def check_health(self) -> None:
         if self.loop.error is not None:
@@ -213,6 +237,7 @@ def replica_deployment(cfg: VLLMAppConfig):
         VLLMReplica,
         name="VLLMReplica",
         num_replicas=cfg.num_replicas,
+        **({} if cfg.max_replicas_per_node is None else {"max_replicas_per_node": cfg.max_replicas_per_node}),
         ray_actor_options={"num_cpus": cfg.replica_cpus, "runtime_env": {"env_vars": env}},
         max_ongoing_requests=cfg.max_ongoing_requests,
         request_router_config=RequestRouterConfig(

@@ -326,7 +326,7 @@ def test_a_clean_shutdown_keeps_the_memory_tiers_blocks_in_the_pfs_tier_for_the_
                                                          "now, the capacity with its unit: capacity: 512MiB"),
     ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "policy": "nope"}, "unknown policy 'nope'"),
     ({"tiers": [{"kind": "dram", "capacity": "8MiB", "size": 1}]}, "size"),
-    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": {"address": "auto"}}, "cluster.node"),
+    ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": {"node": ""}}, "cluster.node"),
     ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": {"node": "n0", "timeout_s": 0}}, "timeout_s"),
     ({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "async_loads": "sometimes"}, "async_loads"),
 ])

@@ -51,15 +51,39 @@ if TYPE_CHECKING:
 
 DEFAULT_CLUSTER_FACTORY = "kvcluster.serve_apps.engine_cluster:connect"  # the Ray cluster's store
 CONNECTOR_TIERS = ("dram", "nvme", "pfs")  # the kinds an engine's own store runs (kept in kvcluster.tiers.TIER_ORDER)
+NODE_SHARE_TIERS = ("dram", "cxl", "nvme")  # the kinds of a node's tier actors an engine starts (`ClusterLink.tiers`)
+
+
+AUTO_NODE = "auto"
+
+
+def known_policy(policy: str) -> str:
+    if policy not in policy_names():
+        raise ValueError(f"unknown policy {policy!r}; one of {', '.join(policy_names())}")
+    return policy
 
 
 class ClusterLink(BaseModel):
-    """How an engine joins a running kvcluster cluster."""
+    """How an engine joins a kvcluster cluster: one that `kvcluster cluster up` started, or one its engines start
+    themselves, node by node, as replicas land (`tiers`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    node: str = Field(description="the cluster node (a name from the cluster YAML) this engine runs on: its tiers "
-                                  "are read first, and its hierarchy receives the engine's new blocks")
+    node: str = Field(AUTO_NODE, min_length=1,
+                      description="the cluster node this engine runs on: its tiers are read first, and its controller "
+                                  "places the engine's new blocks. `auto`: the Ray node this process runs on, named "
+                                  "from Ray (`node-` and the node id's first 12 hex digits), so one config serves "
+                                  "every replica and a node an autoscaler adds joins by itself; or a name from the "
+                                  "cluster YAML of `kvcluster cluster up`")
+    tiers: list[TierSpec] | None = Field(
+        None, description="this node's share of the cluster, started on the node when the first engine there joins "
+                          "(kinds dram, cxl, nvme; one tier actor each, and the node's controller over them), with "
+                          "the cluster-wide index and predictor if none run yet; null: join a running cluster")
+    shared: TierSpec | None = Field(
+        None, description="the shared filesystem (kind pfs; its path mounted on every node): every block an engine "
+                          "stores also goes there, written behind the request by the engine itself, and a prefix no "
+                          "node's memory holds is read from there (so a node's death costs speed, not history)")
+    policy: str = Field(DEFAULT_POLICY, description="the node controllers' eviction policy, when `tiers` starts them")
     address: str = Field("auto", description="the Ray cluster to join when this process has joined none "
                                              "(`ray.init(address=...)`)")
     timeout_s: float = Field(10.0, gt=0, description="an index or tier actor that does not answer in this time "
@@ -74,6 +98,23 @@ class ClusterLink(BaseModel):
                                                   "nodes read its blocks straight from its pages over NIXL (one "
                                                   "engine per node; with tensor parallelism each worker lends its "
                                                   "shards; see `lending.py`)")
+
+    @field_validator("tiers")
+    @classmethod
+    def _node_tiers(cls, tiers: list[TierSpec] | None) -> list[TierSpec] | None:
+        if tiers is None:
+            return None
+        check_tiers(tiers, NODE_SHARE_TIERS, "a node's share of the cluster")
+        return fastest_first(tiers)
+
+    @field_validator("shared")
+    @classmethod
+    def _shared_is_a_directory(cls, shared: TierSpec | None) -> TierSpec | None:
+        if shared is not None:
+            check_tiers([shared], ("pfs",), "the cluster's shared filesystem")
+        return shared
+
+    _known_policy = field_validator("policy")(classmethod(lambda cls, policy: known_policy(policy)))
 
 
 class ConnectorConfig(BaseModel):
@@ -105,12 +146,7 @@ class ConnectorConfig(BaseModel):
         check_tiers(tiers, CONNECTOR_TIERS, "the vLLM connector", memory_takes_path=False)
         return fastest_first(tiers)
 
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, policy: str) -> str:
-        if policy not in policy_names():
-            raise ValueError(f"unknown policy {policy!r}; one of {', '.join(policy_names())}")
-        return policy
+    _known_policy = field_validator("policy")(classmethod(lambda cls, policy: known_policy(policy)))
 
 
 def parse_config(extra: dict) -> ConnectorConfig:
