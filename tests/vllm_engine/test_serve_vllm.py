@@ -1,10 +1,12 @@
-"""The vLLM Serve app end to end (configs/serve.yaml's app): the OpenAI API over a vLLM replica with
+"""The vLLM Serve app end to end (configs/serve.yaml's app): the OpenAI API over vLLM replicas with
 kvcluster's connector, asked with the official `openai` client.
 
-One replica, started in-process with `serve.run` on a local two-CPU Ray; the same long prompt twice must be
-computed the first time (cached_tokens 0) and served from the engine's prefix cache the second (every full
-block but the one holding the last prompt token: the engine must compute that token for its logits), with the
-same greedy text; a bad request is a 400 naming the field. The routing rule is checked without Ray.
+Two replicas on one node, started in-process with `serve.run` on a local two-CPU Ray, given one connector config
+(a small dram tier over an nvme path); the same long prompt twice must be computed the first time (cached_tokens
+0) and served from the engine's prefix cache the second (every full block but the one holding the last prompt
+token: the engine must compute that token for its logits), with the same greedy text; a bad request is a 400
+naming the field; each replica claims an nvme slab of its own and reads its blocks back from it intact. The
+routing rule is checked without Ray.
 """
 
 from __future__ import annotations
@@ -32,15 +34,50 @@ LONG_PROMPT = long_prompt(5)
 pytestmark = pytest.mark.timeout(300)
 
 
+REPLICAS = 2
+ENGINE_BLOCKS = 10  # vLLM's own paged KV per replica: one request of 1,024 tokens, so a long prompt evicts another
+
+
 @pytest.fixture(scope="module")
-def client():
-    """The app on a local Ray, one replica; Serve and Ray shut down after."""
+def nvme_path(tmp_path_factory) -> str:
+    """The one nvme path both replicas are given."""
+    return str(tmp_path_factory.mktemp("nvme"))
+
+
+@pytest.fixture(scope="module")
+def client(nvme_path):
+    """The app on a local Ray, two replicas (one CPU each; the front takes none) whose connector keeps 2 blocks
+    (1 MiB each) in dram and demotes the rest into nvme; Serve and Ray shut down after."""
     from kvcluster.serve_apps.vllm_app import build_app
 
+    tiers = [{"kind": "dram", "capacity": "2MiB"}, {"kind": "nvme", "capacity": "64MiB", "path": nvme_path}]
     with local_serve("kvv-") as (_, port):
-        serve.run(build_app({"model": MODEL, "connector": {"tiers": [{"kind": "dram", "capacity": "64MiB"}]},
-                             "api": {"max_tokens_limit": 64}}), name="vllm", route_prefix="/")
+        serve.run(build_app({"model": MODEL, "num_replicas": REPLICAS, "replica_cpus": 1,
+                             "max_model_len": 1024, "kv_cache_blocks": ENGINE_BLOCKS,
+                             "connector": {"tiers": tiers}, "api": {"max_tokens_limit": 64}}),
+                  name="vllm", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def replica_infos() -> list[dict]:
+    """`info()` of every replica: a handle's call goes to any one, so asked until each has answered."""
+    handle = serve.get_deployment_handle("VLLMReplica", app_name="vllm")
+    seen: dict[int, dict] = {}
+    for _ in range(64):
+        info = handle.info.remote().result()
+        seen[info["pid"]] = info
+        if len(seen) == REPLICAS:
+            return list(seen.values())
+    raise AssertionError(f"only {len(seen)} of {REPLICAS} replicas answered info() in 64 calls")
+
+
+def summed(infos: list[dict], counter: str) -> int:
+    return sum(info["connector"][counter] for info in infos)
+
+
+def nvme_tier(info: dict) -> dict:
+    (nvme,) = [t for t in info["connector"]["tiers"] if t["name"] == "nvme"]
+    return nvme
 
 
 def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(client) -> None:
@@ -53,11 +90,11 @@ def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_greedy_text(cl
     assert first.choices[0].text == second.choices[0].text
     assert first.usage.completion_tokens == second.usage.completion_tokens == 8
 
-    info = serve.get_deployment_handle("VLLMReplica", app_name="vllm").info.remote().result()
-    assert info["block_size"] == BLOCK
+    infos = replica_infos()
+    assert all(info["block_size"] == BLOCK for info in infos)
     # the connector stored the prompt's full blocks; vLLM's own prefix cache served the repeat, so none loaded
-    assert info["connector"]["saved_blocks"] >= prompt_tokens // BLOCK
-    assert info["connector"]["loaded_blocks"] == 0
+    assert summed(infos, "saved_blocks") >= prompt_tokens // BLOCK
+    assert summed(infos, "loaded_blocks") == 0
 
 
 def test_chat_reports_cached_tokens_too_and_the_user_is_the_session_the_policy_learns(client) -> None:
@@ -67,9 +104,9 @@ def test_chat_reports_cached_tokens_too_and_the_user_is_the_session_the_policy_l
     assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert first.choices[0].message.content == second.choices[0].message.content
-    info = serve.get_deployment_handle("VLLMReplica", app_name="vllm").info.remote().result()
-    assert info["connector"]["sessions"] == 1  # the first test's requests named no user
-    assert info["connector"]["answers_told"] >= 1  # alice's first answer, with the step of her second request
+    infos = replica_infos()
+    assert summed(infos, "sessions") == 1  # the first test's requests named no user
+    assert summed(infos, "answers_told") >= 1  # alice's first answer, with the step of her second request
 
 
 def test_a_bad_request_is_a_400_naming_the_field(client) -> None:
@@ -80,6 +117,29 @@ def test_a_bad_request_is_a_400_naming_the_field(client) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=65)
     assert "at most 64" in err.value.body["message"]
+
+
+def test_replicas_on_one_node_given_one_nvme_path_each_read_their_own_blocks_back_from_a_slab_of_their_own(
+        client, nvme_path) -> None:
+    """Issue 55: both replicas' connectors were given one nvme path. Four users each store a prompt and push it out
+    of vLLM's paged KV and out of dram (a long filler of the same user, so the same replica); new sessions go to
+    the least loaded replica, so both replicas store. Only then is each prompt asked again: its blocks load from
+    its replica's nvme slab, r0 or r1, intact. With one shared slab, the replica that wrote second overwrote the
+    first one's slots, whose reads then failed their checksums (and the prompt was recomputed)."""
+    users = [f"u{i}" for i in range(4)]
+    prompts = {user: long_prompt(100 + i, words=400) for i, user in enumerate(users)}
+    for i, user in enumerate(users):
+        for text in (prompts[user], long_prompt(200 + i, words=900)):
+            client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0, user=user)
+    for user in users:
+        again = client.completions.create(model=MODEL, prompt=prompts[user], max_tokens=1, temperature=0, user=user)
+        assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    infos = replica_infos()
+    slabs = sorted(nvme_tier(info)["slab"] for info in infos)
+    assert slabs == [f"{nvme_path}/r{i}/kvcluster-nvme.slab" for i in range(REPLICAS)]
+    for info in infos:
+        assert all(tier["corrupt"] == 0 for tier in info["connector"]["tiers"]), info["connector"]["tiers"]
+        assert nvme_tier(info)["gets"] > 0 and info["connector"]["failed_blocks"] == 0, info["connector"]
 
 
 class _FakeEngine:
