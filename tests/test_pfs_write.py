@@ -85,6 +85,28 @@ def test_a_large_batch_spread_over_the_cores_stores_each_block_whole_and_refuses
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+def test_a_file_another_writer_deletes_while_a_replica_scans_its_used_bytes_counts_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's first put scans the shared directory for its used bytes; a file the other replica deletes
+    between the listing and its stat counts nothing (it raised FileNotFoundError out of the put)."""
+    keys = SPACE.chain_hash_ids([60, 61])
+    data = [np.full(8192, i, dtype=np.uint8) for i in range(2)]
+    other = PFSBackend(tmp_path, 1 << 30)
+    assert other.put_many(list(zip(keys, data))) == [True, True]
+    real_glob = Path.glob
+
+    def listed_then_one_deleted(self: Path, pattern: str):
+        listed = list(real_glob(self, pattern))
+        other.delete(keys[:1])
+        return iter(listed)
+
+    monkeypatch.setattr(Path, "glob", listed_then_one_deleted)
+    replica = PFSBackend(tmp_path, 1 << 30)
+    assert replica.used_bytes == 8192
+    monkeypatch.undo()
+    assert replica.put_many([(keys[0], data[0])]) == [True] and replica.used_bytes == 2 * 8192
+
+
 RACE_KEY_IDS, RACE_BYTES, RACE_SEED = [55], 1 << 20, 55
 RACING_WRITER = """
 import json, sys

@@ -241,7 +241,7 @@ class PFSBackend(StorageBackend):
     def used_bytes(self) -> int:
         """Bytes of block files under the root: scanned once, then kept up to date by this writer."""
         if self._used is None:
-            self._used = sum(p.stat().st_size - TRAILER.size for p in self.base.glob("??/??/*.kvb"))
+            self._used = sum(_payload_bytes(p) for p in self.base.glob("??/??/*.kvb"))
         return self._used
 
     @property
@@ -269,6 +269,15 @@ def stored_keys(root: str | Path) -> list[BlockKey]:
         if len(key) == KEY_BYTES:
             out.append(BlockKey(key))
     return out
+
+
+def _payload_bytes(path: Path) -> int:
+    """A block file's payload bytes; 0 for one gone since it was listed: another writer of the directory (another
+    replica, another node) deleted it, or a reader dropped it as corrupt."""
+    try:
+        return path.stat().st_size - TRAILER.size
+    except FileNotFoundError:
+        return 0
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
