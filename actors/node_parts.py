@@ -34,15 +34,14 @@ def ray_node_name(node_id: str | None = None) -> str:
 def ensure_node_parts(tiers: list[TierSpec], slot_bytes: int, policy: str, checkpoint_dir: str,
                       node_id: str | None = None) -> str:
     """Start (or find) the index, the predictor, and this Ray node's tier actors and controller; returns the
-    node's name. Blocks until each has opened its storage, so the caller's first store finds them."""
+    node's name. Blocks until each has opened its storage, so the caller's first store finds them. A tier that
+    holds no block is a ValueError naming it, before anything starts."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
     node = ray_node_name(node_id)
+    configs = [TierActorConfig(node=node, tier=tier, slot_bytes=slot_bytes) for tier in tiers]  # before any start
     start_global_actors(checkpoint_dir)
-    handles, chain = [], []
-    for tier in tiers:
-        config = TierActorConfig(node=node, tier=tier, slot_bytes=slot_bytes)
-        handles.append(start_tier_actor(config, node_id, detached=True))
-        chain.append((f"{node}/{tier.kind}", actor_name(node, tier.kind), config.slots))
+    handles = [start_tier_actor(config, node_id, detached=True) for config in configs]
+    chain = [(f"{node}/{c.kind}", actor_name(node, c.kind), c.slots) for c in configs]
     ray.get([h.describe.remote() for h in handles], timeout=START_TIMEOUT_S)
     control = NodeControlActor.options(
         name=control_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,

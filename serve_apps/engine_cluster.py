@@ -47,9 +47,12 @@ class EngineCluster:
             return link.node
         if link.tiers is None:
             return ray_node_name()
-        checkpoint = str(Path(link.shared.path) / "predictor") if link.shared else tempfile.mkdtemp(prefix="kvc-pred-")
+        # the predictor's posteriors outlive it in the shared directory (else in this node's temp dir)
+        root = Path(link.shared.path) if link.shared else Path(tempfile.gettempdir()) / "kvcluster"
         try:
-            return ensure_node_parts(link.tiers, block_bytes, link.policy, checkpoint)
+            return ensure_node_parts(link.tiers, block_bytes, link.policy, str(root / "predictor"))
+        except ValueError as exc:  # a tier that holds no block of this engine's
+            raise ConfigError(f"kv_connector_extra_config.cluster.tiers: {exc}") from None
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ConfigError(f"kv_connector_extra_config.cluster.tiers: this node's tier actors did not start: "
                               f"{exc}") from None

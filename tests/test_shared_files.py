@@ -68,3 +68,20 @@ def test_the_cluster_link_joins_its_own_ray_node_by_default_and_names_bad_fields
         with pytest.raises(ConfigError) as err:
             parse_config({"tiers": [{"kind": "dram", "capacity": "8MiB"}], "cluster": cluster})
         assert field in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_a_node_share_that_holds_no_block_is_refused_by_name_before_anything_starts(monkeypatch) -> None:
+    """`cluster.tiers` smaller than one of the engine's blocks: a ConfigError naming the field, before any actor
+    starts (no Ray call is made: the node id comes from the patched runtime context)."""
+    from types import SimpleNamespace
+
+    from kvcluster.actors import node_parts
+    from kvcluster.serve_apps.engine_cluster import EngineCluster
+
+    monkeypatch.setattr(node_parts.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.setattr(node_parts, "start_global_actors", lambda *a, **k: pytest.fail("an actor was started"))
+    link = ClusterLink(tiers=[{"kind": "dram", "capacity": "1MiB"}])
+    with pytest.raises(ConfigError) as err:
+        EngineCluster(link).node(block_bytes=2 << 20)
+    assert str(err.value).startswith("kv_connector_extra_config.cluster.tiers: ")
+    assert "holds no 2097152-byte block" in str(err.value)

@@ -24,10 +24,10 @@ class SharedFiles:
         self.counters = {"written": 0, "refused": 0, "read": 0}
 
     def prefix(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading blocks of `keys` are on file."""
+        """How many leading blocks of `keys` are on file (one stat each, up to the first missing)."""
         n = 0
-        for present in self.backend.contains(list(keys)):
-            if not present:
+        for key in keys:
+            if not self.backend.contains([key])[0]:
                 break
             n += 1
         return n
